@@ -1,0 +1,7 @@
+"""`python -m basert` runs the `basert` command."""
+
+import sys
+
+from basert.cli.main import main
+
+sys.exit(main())

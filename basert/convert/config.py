@@ -1,0 +1,85 @@
+"""Architecture names and the normalised model config every .base header carries."""
+
+from __future__ import annotations
+
+from basert.convert.source import HYBRID_ARCHS, ConvertError
+
+ARCH_BY_HF_MODEL_TYPE = {
+    "llama": "llama",
+    "qwen2": "qwen",
+    "qwen3": "qwen",
+    "qwen3_moe": "qwen3_moe",
+    "qwen3_5": "qwen35",
+    "qwen3_5_text": "qwen35",
+    "qwen3_5_moe": "qwen35moe",
+    "qwen3_5_moe_text": "qwen35moe",
+    "qwen3_next": "qwen35moe",
+}
+
+ARCH_BY_GGUF = {
+    "llama": "llama",
+    "qwen2": "qwen",
+    "qwen3": "qwen",
+    "qwen3moe": "qwen3_moe",
+    "qwen35": "qwen35",
+    "qwen35moe": "qwen35moe",
+    "qwen3next": "qwen35moe",
+}
+
+
+def hf_arch(model_type: str) -> str:
+    """The .base arch for an HF config `model_type`."""
+    try:
+        return ARCH_BY_HF_MODEL_TYPE[model_type]
+    except KeyError:
+        known = ", ".join(sorted(ARCH_BY_HF_MODEL_TYPE))
+        raise ConvertError(f"unsupported HF model_type {model_type!r} (supported: {known})") from None
+
+
+def gguf_arch(name: str) -> str:
+    """The .base arch for a GGUF `general.architecture`."""
+    try:
+        return ARCH_BY_GGUF[name]
+    except KeyError:
+        known = ", ".join(sorted(ARCH_BY_GGUF))
+        raise ConvertError(f"unsupported GGUF architecture {name!r} (supported: {known})") from None
+
+
+def finish_config(arch: str, config: dict, *, rope_style: str, norm_plus_one_folded: bool) -> dict:
+    """Fill the derived keys the engine reads, so it never has to guess a convention."""
+    cfg = dict(config)
+    rope = cfg.pop("rope_parameters", None) or cfg.get("rope_scaling") or {}
+    if "rope_theta" not in cfg and "rope_theta" in rope:
+        cfg["rope_theta"] = rope["rope_theta"]
+    if "partial_rotary_factor" not in cfg and "partial_rotary_factor" in rope:
+        cfg["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if rope:
+        cfg["rope_parameters"] = rope
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key not in cfg:
+            raise ConvertError(f"model config lacks {key!r}")
+    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    cfg.setdefault("rms_norm_eps", 1e-6)
+    cfg.setdefault("rope_theta", 10000.0)
+    cfg.setdefault("partial_rotary_factor", 1.0)
+    cfg.setdefault("tie_word_embeddings", False)
+    cfg.setdefault("hidden_act", "silu")
+    cfg["rotary_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
+    cfg["rope_style"] = rope_style
+    cfg["norm_plus_one_folded"] = norm_plus_one_folded
+    if arch in HYBRID_ARCHS:
+        interval = cfg.setdefault("full_attention_interval", 4)
+        cfg.setdefault(
+            "layer_types",
+            [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(cfg["num_hidden_layers"])
+            ],
+        )
+        cfg.setdefault("attn_output_gate", True)
+        if len(cfg["layer_types"]) != cfg["num_hidden_layers"]:
+            raise ConvertError(
+                f"layer_types has {len(cfg['layer_types'])} entries for {cfg['num_hidden_layers']} layers"
+            )
+    return cfg

