@@ -46,7 +46,8 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
 GPT2_PRE_NAMES = frozenset({"gpt2", "default"})
 # llama.cpp matches Llama 3 words against the whole vocabulary before merging (`ignore_merges`).
 IGNORE_MERGES_PRE_NAMES = frozenset({"llama3", "llama-v3", "llama-bpe"})
-# Markers that end a turn although the model's EOS id is another token.
+# Tokens that end a turn although the model's EOS id is another token: by GGUF key, and by text.
+GGUF_TURN_END_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
 BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -57,7 +58,11 @@ class TokenizerError(ValueError):
 
 def _byte_level_table() -> dict[str, int]:
     """GPT-2's map from the printable character standing for a byte back to the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {chr(b): b for b in printable}
     shifted = 0
     for b in range(256):
@@ -91,6 +96,7 @@ class Tokenizer:
         *,
         bos_id: int | None,
         eos_id: int | None,
+        turn_end_ids: tuple[int, ...],
         add_bos: bool,
         chat_template: str | None,
         byte_level: bool,
@@ -103,7 +109,9 @@ class Tokenizer:
         self.chat_template = chat_template
         added = hf.get_added_tokens_decoder()
         self.special_ids: frozenset[int] = frozenset(i for i, token in added.items() if token.special)
-        eos_ids = {eos_id} if eos_id is not None else set()
+        eos_ids = set(turn_end_ids)
+        if eos_id is not None:
+            eos_ids.add(eos_id)
         for content in END_OF_TURN_TOKENS:
             token_id = hf.token_to_id(content)
             if token_id in self.special_ids:
@@ -124,12 +132,12 @@ class Tokenizer:
     @property
     def bos_token(self) -> str | None:
         """The BOS token's text, for chat templates."""
-        return None if self.bos_id is None else self._content(self.bos_id)
+        return None if self.bos_id is None else self._text_of(self.bos_id)
 
     @property
     def eos_token(self) -> str | None:
         """The EOS token's text, for chat templates."""
-        return None if self.eos_id is None else self._content(self.eos_id)
+        return None if self.eos_id is None else self._text_of(self.eos_id)
 
     def encode(self, text: str, *, add_special: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in it count as one token each."""
@@ -163,8 +171,8 @@ class Tokenizer:
         """The `tokenizers` JSON of this tokenizer (what grammar libraries load)."""
         return self._hf.to_str()
 
-    def _content(self, token_id: int) -> str:
-        return self._token_bytes[token_id].decode("utf-8", errors="replace")
+    def _text_of(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
 def _token_bytes_table(
@@ -231,6 +239,7 @@ def _from_gguf(obj: dict) -> Tokenizer:
         hf,
         bos_id=obj.get("tokenizer.ggml.bos_token_id"),
         eos_id=obj.get("tokenizer.ggml.eos_token_id"),
+        turn_end_ids=tuple(obj[key] for key in GGUF_TURN_END_KEYS if key in obj),
         add_bos=bool(add_bos),
         chat_template=obj.get("tokenizer.chat_template"),
         byte_level=True,
@@ -240,8 +249,9 @@ def _from_gguf(obj: dict) -> Tokenizer:
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre in GPT2_PRE_NAMES:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in PRE_TOKENIZER_REGEXES[pre]]
-    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    steps = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in PRE_TOKENIZER_REGEXES[pre]]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps)
 
 
 def _from_hf(obj: dict) -> Tokenizer:
@@ -258,6 +268,7 @@ def _from_hf(obj: dict) -> Tokenizer:
         hf,
         bos_id=bos_id,
         eos_id=_config_token_id(hf, config.get("eos_token")),
+        turn_end_ids=(),
         add_bos=bool(add_bos),
         chat_template=obj.get("tokenizer.chat_template"),
         byte_level="ByteLevel" in json.dumps(tokenizer_json.get("decoder")),

@@ -23,6 +23,27 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen35_tokenizer_object(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tokenizer object of the Qwen3.5 vocab-only GGUF (decompressed once per session)."""
+    import lzma
+
+    from basert.convert.tokenizer_source import tokenizer_object_from_path
+
+    path = tmp_path_factory.mktemp("vocab") / "ggml-vocab-qwen35.gguf"
+    path.write_bytes(lzma.decompress((FIXTURES / "tokenizers" / "ggml-vocab-qwen35.gguf.xz").read_bytes()))
+    return tokenizer_object_from_path(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_object(smollm2_gguf: Path) -> dict:
+    import gguf
+
+    from basert.convert.tokenizer_source import tokenizer_object_from_gguf
+
+    return tokenizer_object_from_gguf(gguf.GGUFReader(smollm2_gguf))
+
+
+@pytest.fixture(scope="session")
 def smollm2_base(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
     """SmolLM2-135M-Instruct converted losslessly from its Q4_1 GGUF."""
     from basert.convert import convert

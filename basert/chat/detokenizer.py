@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
             return ""
         piece = self._decoder.decode(self._tokenizer.token_bytes(token_id))
         pending, _ = self._decoder.getstate()
-        if False and pending[1:2] >= b"\xa0":
+        if pending[:1] == SURROGATE_LEAD and pending[1:2] >= b"\xa0":
             # CPython holds back 0xED 0xA0..0xBF (a UTF-16 surrogate, never valid UTF-8) until
             # the next byte; it cannot complete, so it is replaced now.
             piece += self._decoder.decode(b"", final=True)

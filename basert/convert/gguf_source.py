@@ -61,6 +61,9 @@ LAYER_NAMES = {
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
 LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Qwen3-Next GGUFs keep in_proj_qkvz / in_proj_ba fused and head-interleaved; re-ordering their
+# quantized rows is not implemented, so such files are refused rather than converted incompletely.
+UNSUPPORTED_FUSED = ("ssm_in.weight", "ssm_ba.weight")
 
 # GGUF metadata key (after "<arch>.") -> normalised config key.
 CONFIG_KEYS = {
@@ -183,6 +186,11 @@ def open_gguf(path: Path, tokenizer_object: dict | None) -> SourceModel:
     warnings: list[str] = []
     tensors: list[SourceTensor] = []
     for tensor in reader.tensors:
+        if tensor.name.endswith(UNSUPPORTED_FUSED):
+            raise ConvertError(
+                f"{path}: fused GGUF tensor {tensor.name} is not supported; convert the HF safetensors "
+                "checkpoint instead"
+            )
         name = canonical_name(tensor.name)
         if name is None:
             warnings.append(f"skipping unknown GGUF tensor {tensor.name}")

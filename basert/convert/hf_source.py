@@ -21,7 +21,7 @@ from basert.convert.source import (
     is_control_tensor,
     is_zero_centred_norm,
 )
-from basert.convert.tokenizer_source import TokenizerSourceError, tokenizer_object_from_hf
+from basert.convert.tokenizer_source import tokenizer_object_from_hf
 
 # Prefixes that carry the text model's weights; anything else under these is not ours to convert.
 TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.")
@@ -137,14 +137,13 @@ def open_hf(model_dir: Path, tokenizer_object: dict | None) -> SourceModel:
     files = HFDirectory(model_dir)
     warnings: list[str] = []
     tokenizer = tokenizer_object
-    if tokenizer is None:
-        try:
-            tokenizer = tokenizer_object_from_hf(model_dir)
-        except TokenizerSourceError:
-            # Test and research checkpoints often ship no tokenizer; such a file is driven by token ids.
-            tokenizer = {"tokenizer_type": "none"}
-            warnings.append(f"{model_dir} has no tokenizer.json: the model takes token ids only "
-                            "(pass --tokenizer SRC to embed one)")
+    if tokenizer is None and (model_dir / "tokenizer.json").is_file():
+        tokenizer = tokenizer_object_from_hf(model_dir)
+    elif tokenizer is None:
+        # Test and research checkpoints often ship no tokenizer; such a file is driven by token ids.
+        tokenizer = {"tokenizer_type": "none"}
+        warnings.append(f"{model_dir} has no tokenizer.json: the model takes token ids only "
+                        "(pass --tokenizer SRC to embed one)")
 
     tensors: list[SourceTensor] = []
     experts: dict[tuple[int, str], dict[int, str]] = {}

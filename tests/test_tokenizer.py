@@ -1,0 +1,396 @@
+"""Tokenizers built from GGUF metadata and from Hugging Face files, checked against recorded token ids."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from basert.convert.tokenizer_source import (
+    TokenizerSourceError,
+    tokenizer_object_from_hf,
+    tokenizer_object_from_path,
+)
+from basert.tokenizer import BYTE_LEVEL_CHARS, Tokenizer, TokenizerError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+VOCAB_DIR = FIXTURES / "tokenizers"
+QWEN35_GGUF_XZ = VOCAB_DIR / "ggml-vocab-qwen35.gguf.xz"
+SMOLLM2_REFERENCE = FIXTURES / "smollm2" / "reference.json"
+
+
+def vocab_cases() -> list[tuple[str, list[int]]]:
+    """The llama.cpp test-tokenizer-0 vectors: texts end with a separator line, one id line per text."""
+    # Bytes, not read_text(): universal newlines would turn a "\r" in a text into "\n".
+    inp = (VOCAB_DIR / "ggml-vocab-qwen35.gguf.inp").read_bytes().decode("utf-8")
+    out = (VOCAB_DIR / "ggml-vocab-qwen35.gguf.out").read_bytes().decode("utf-8")
+    texts = inp.split("\n__ggml_vocab_test__\n")
+    assert texts[-1] == ""
+    lines = out.split("\n")
+    assert lines[-1] == ""
+    pairs = zip(texts[:-1], lines[:-1], strict=True)
+    return [(text, [int(i) for i in line.split()]) for text, line in pairs]
+
+
+VOCAB_CASES = vocab_cases()
+SMOLLM2_PROMPTS = {
+    prompt["name"]: prompt for prompt in json.loads(SMOLLM2_REFERENCE.read_text(encoding="utf-8"))["prompts"]
+}
+
+
+@pytest.fixture(scope="session")
+def qwen35_object(qwen35_tokenizer_object: dict) -> dict:
+    return qwen35_tokenizer_object
+
+
+@pytest.fixture(scope="session")
+def qwen35(qwen35_object: dict) -> Tokenizer:
+    return Tokenizer.from_object(qwen35_object)
+
+
+@pytest.fixture(scope="session")
+def smollm2_object(smollm2_tokenizer_object: dict) -> dict:
+    return smollm2_tokenizer_object
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_object: dict) -> Tokenizer:
+    return Tokenizer.from_object(smollm2_object)
+
+
+def test_vocab_vectors_parse_into_fifty_cases() -> None:
+    assert len(VOCAB_CASES) == 50
+    assert VOCAB_CASES[0] == ("ied 4 ½ months", [1122, 220, 19, 220, 26062, 3951])
+    assert VOCAB_CASES[2] == ("", [])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), VOCAB_CASES, ids=[f"case{i:02d}" for i in range(len(VOCAB_CASES))]
+)
+def test_qwen35_gguf_matches_llama_cpp_vectors(qwen35: Tokenizer, text: str, expected: list[int]) -> None:
+    assert qwen35.encode(text) == expected
+
+
+def test_gguf_object_holds_every_tokenizer_key(qwen35_object: dict) -> None:
+    assert set(qwen35_object) == {
+        "tokenizer_type",
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.pre",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.padding_token_id",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.chat_template",
+    }
+    assert qwen35_object["tokenizer_type"] == "gguf"
+    assert qwen35_object["tokenizer.ggml.model"] == "gpt2"
+    assert qwen35_object["tokenizer.ggml.pre"] == "qwen35"
+    assert len(qwen35_object["tokenizer.ggml.tokens"]) == 151936
+    assert qwen35_object["tokenizer.ggml.tokens"][:3] == ["!", '"', "#"]
+    assert qwen35_object["tokenizer.ggml.merges"][:3] == ["Ġ Ġ", "ĠĠ ĠĠ", "i n"]
+    assert len(qwen35_object["tokenizer.ggml.merges"]) == 151387
+    assert Counter(qwen35_object["tokenizer.ggml.token_type"]) == {1: 151643, 4: 290, 3: 3}
+    assert qwen35_object["tokenizer.ggml.bos_token_id"] == 151643
+    assert qwen35_object["tokenizer.chat_template"].startswith("{% for message in messages %}")
+
+
+def test_gguf_object_survives_json(qwen35_object: dict, qwen35: Tokenizer) -> None:
+    loaded = json.loads(json.dumps(qwen35_object))
+    assert loaded == qwen35_object
+    rebuilt = Tokenizer.from_object(loaded)
+    for text, expected in VOCAB_CASES:
+        assert rebuilt.encode(text) == expected
+
+
+def test_smollm2_object_flags(smollm2_object: dict) -> None:
+    assert smollm2_object["tokenizer.ggml.pre"] == "smollm"
+    assert smollm2_object["tokenizer.ggml.add_bos_token"] is False
+    assert smollm2_object["tokenizer.ggml.unknown_token_id"] == 0
+    assert json.loads(json.dumps(smollm2_object)) == smollm2_object
+
+
+def test_qwen35_keeps_combining_marks_with_their_letter(qwen35: Tokenizer) -> None:
+    # The Qwen3.5 regex has [\p{L}\p{M}]+, so Thai vowel marks stay in the word (Qwen2's would cut there).
+    ids = qwen35.encode("กินข้าว")
+    assert ids == [129454, 131661]
+    assert [qwen35.decode([i]) for i in ids] == ["กิน", "ข้าว"]
+
+
+def test_qwen35_special_tokens(qwen35: Tokenizer) -> None:
+    ids = qwen35.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids == [151644, 872, 198, 6023, 151645]
+    assert qwen35.decode(ids) == "<|im_start|>user\nhi<|im_end|>"
+    assert qwen35.decode(ids, skip_special=True) == "user\nhi"
+    assert qwen35.special_ids == {151643, 151644, 151645}
+    assert qwen35.eos_id == 151643
+    assert qwen35.eos_ids == {151643, 151645}
+    assert qwen35.bos_token == "<|endoftext|>"
+    assert qwen35.eos_token == "<|endoftext|>"
+    # User-defined tokens are matched in text too, but are not special.
+    assert qwen35.encode("a[PAD151650]") == [64, 151650]
+    assert qwen35.decode([64, 151650], skip_special=True) == "a[PAD151650]"
+    assert qwen35.encode("hi", add_special=True) == [6023]
+    assert qwen35.vocab_size == 151936
+    assert qwen35.chat_template is not None and "<|im_start|>" in qwen35.chat_template
+
+
+def test_qwen35_pieces_and_bytes(qwen35: Tokenizer) -> None:
+    assert qwen35.id_to_piece(1879) == "Ġworld"
+    assert qwen35.token_to_id("Ġworld") == 1879
+    assert qwen35.token_to_id("no such piece") is None
+    assert qwen35.token_bytes(1879) == b" world"
+    assert qwen35.token_bytes(151644) == b"<|im_start|>"
+    assert qwen35.token_bytes(43459) == b"\xe6\xa1"
+    assert qwen35.token_bytes(151936) == b""
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        qwen35.id_to_piece(151936)
+    for text, expected in VOCAB_CASES:
+        assert b"".join(qwen35.token_bytes(i) for i in expected) == text.encode("utf-8")
+
+
+def test_to_hf_json_loads_back(qwen35: Tokenizer) -> None:
+    hf = HFTokenizer.from_str(qwen35.to_hf_json())
+    for text, expected in VOCAB_CASES:
+        assert hf.encode(text, add_special_tokens=False).ids == expected
+
+
+@pytest.mark.parametrize("name", sorted(SMOLLM2_PROMPTS))
+def test_smollm2_matches_reference_ids(smollm2: Tokenizer, name: str) -> None:
+    prompt = SMOLLM2_PROMPTS[name]
+    assert smollm2.encode(prompt["text"]) == prompt["input_ids"]
+    assert smollm2.decode(prompt["greedy"]) == prompt["greedy_text"]
+
+
+def test_smollm2_chat_prompt_uses_control_tokens(smollm2: Tokenizer) -> None:
+    ids = SMOLLM2_PROMPTS["chat"]["input_ids"]
+    assert ids[0] == 1
+    assert ids.count(1) == 3
+    assert ids.count(2) == 2
+
+
+def test_smollm2_special_ids(smollm2: Tokenizer) -> None:
+    assert smollm2.bos_id == 1
+    assert smollm2.eos_id == 2
+    assert smollm2.eos_ids == {0, 2}
+    assert smollm2.special_ids == frozenset(range(17))
+    assert smollm2.bos_token == "<|im_start|>"
+    assert smollm2.eos_token == "<|im_end|>"
+    # The GGUF says add_bos_token=False.
+    assert smollm2.encode("The capital", add_special=True) == smollm2.encode("The capital")
+
+
+def test_smollm2_splits_digits_before_the_gpt2_regex(smollm2: Tokenizer) -> None:
+    # llama.cpp's smollm pre (and the model's own Digits split) isolates each digit first, so the
+    # spaces before a digit stay one "ĠĠ" piece; GPT-2's regex alone would give Ġ, Ġ, 2.
+    assert smollm2.encode("  2") == [256, 34]
+    assert smollm2.encode("\n\n3") == [1116, 35]
+    assert smollm2.encode(" 2024") == [216, 34, 32, 34, 36]
+
+
+def test_add_bos_token_adds_bos_only_with_add_special(smollm2_object: dict, smollm2: Tokenizer) -> None:
+    tok = Tokenizer.from_object({**smollm2_object, "tokenizer.ggml.add_bos_token": True})
+    plain = smollm2.encode("The capital")
+    assert tok.encode("The capital") == plain
+    assert tok.encode("The capital", add_special=True) == [1, *plain]
+
+
+def byte_vocab_object(pre: str) -> dict:
+    """A GGUF tokenizer object with only the 256 byte tokens, so pieces show the pre-tokenizer."""
+    return {
+        "tokenizer_type": "gguf",
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": list(BYTE_LEVEL_CHARS),
+        "tokenizer.ggml.token_type": [1] * 256,
+        "tokenizer.ggml.merges": [],
+    }
+
+
+def pre_pieces(tok: Tokenizer, text: str) -> list[str]:
+    pre = HFTokenizer.from_str(tok.to_hf_json()).pre_tokenizer
+    pieces = pre.pre_tokenize_str(text)
+    return [bytes(BYTE_LEVEL_CHARS[c] for c in piece).decode("utf-8") for piece, _ in pieces]
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("gpt2", ["I", "'", "M", " 12345", "!", "\n", "\n", "x"]),
+        ("default", ["I", "'", "M", " 12345", "!", "\n", "\n", "x"]),
+        ("llama-bpe", ["I", "'M", " ", "123", "45", "!\n\n", "x"]),
+        ("llama3", ["I", "'M", " ", "123", "45", "!\n\n", "x"]),
+        ("qwen2", ["I", "'M", " ", "1", "2", "3", "4", "5", "!\n\n", "x"]),
+        ("qwen35", ["I", "'M", " ", "1", "2", "3", "4", "5", "!\n\n", "x"]),
+        ("smollm", ["I", "'", "M", " ", "1", "2", "3", "4", "5", "!", "\n", "\n", "x"]),
+    ],
+)
+def test_pre_tokenizer_regex_per_pre_name(pre: str, pieces: list[str]) -> None:
+    assert pre_pieces(Tokenizer.from_object(byte_vocab_object(pre)), "I'M 12345!\n\nx") == pieces
+
+
+def test_llama3_adds_bos_unless_the_gguf_says_otherwise() -> None:
+    # llama.cpp's default for Llama 3 vocabularies is to add BOS; other BPE vocabularies do not.
+    a = list(BYTE_LEVEL_CHARS).index("a")
+    llama3 = {**byte_vocab_object("llama-bpe"), "tokenizer.ggml.bos_token_id": 0}
+    assert Tokenizer.from_object(llama3).encode("a", add_special=True) == [0, a]
+    assert Tokenizer.from_object(llama3).encode("a") == [a]
+    explicit = {**llama3, "tokenizer.ggml.add_bos_token": False}
+    assert Tokenizer.from_object(explicit).encode("a", add_special=True) == [a]
+    gpt2 = {**byte_vocab_object("gpt2"), "tokenizer.ggml.bos_token_id": 0}
+    assert Tokenizer.from_object(gpt2).encode("a", add_special=True) == [a]
+
+
+def test_gguf_eot_and_eom_ids_end_generation() -> None:
+    obj = {
+        **byte_vocab_object("gpt2"),
+        "tokenizer.ggml.eos_token_id": 5,
+        "tokenizer.ggml.eot_token_id": 7,
+        "tokenizer.ggml.eom_token_id": 9,
+    }
+    tok = Tokenizer.from_object(obj)
+    assert tok.eos_id == 5
+    assert tok.eos_ids == {5, 7, 9}
+    assert tok.special_ids == frozenset()
+
+
+def test_unknown_pre_falls_back_to_gpt2_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match="unknown GGUF pre-tokenizer 'mystery'"):
+        tok = Tokenizer.from_object(byte_vocab_object("mystery"))
+    assert pre_pieces(tok, "I'M 12345!") == ["I", "'", "M", " 12345", "!"]
+
+
+def test_sentencepiece_gguf_is_refused() -> None:
+    with pytest.raises(TokenizerError, match="GGUF tokenizer model 'llama' is not supported"):
+        Tokenizer.from_object({**byte_vocab_object("default"), "tokenizer.ggml.model": "llama"})
+
+
+def test_unknown_tokenizer_type_is_refused() -> None:
+    with pytest.raises(TokenizerError, match="unknown tokenizer_type 'sentencepiece'"):
+        Tokenizer.from_object({"tokenizer_type": "sentencepiece"})
+
+
+HF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+HF_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "桜の花が咲いた",
+    "def add(a, b):\n    return a + b\n",
+] * 20
+
+
+def train_hf_tokenizer() -> HFTokenizer:
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=HF_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    hf.train_from_iterator(HF_CORPUS, trainer)
+    return hf
+
+
+def write_hf_dir(directory: Path, hf: HFTokenizer, config: dict) -> Path:
+    directory.mkdir(exist_ok=True)
+    hf.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return directory
+
+
+def test_hf_directory_round_trip(tmp_path: Path) -> None:
+    hf = train_hf_tokenizer()
+    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": "{{ messages[0]['content'] }}"}
+    model_dir = write_hf_dir(tmp_path / "model", hf, config)
+    obj = tokenizer_object_from_path(model_dir)
+    assert set(obj) == {
+        "tokenizer_type",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.chat_template",
+    }
+    assert obj["tokenizer_type"] == "hf"
+    assert obj["tokenizer_config.json"] == config
+    assert obj["tokenizer.chat_template"] == "{{ messages[0]['content'] }}"
+    assert tokenizer_object_from_path(model_dir / "tokenizer.json") == obj
+
+    tok = Tokenizer.from_object(json.loads(json.dumps(obj)))
+    assert tok.chat_template == "{{ messages[0]['content'] }}"
+    assert tok.eos_id == 2
+    assert tok.eos_ids == {0, 2}
+    assert tok.bos_id is None
+    assert tok.special_ids == {0, 1, 2}
+    for text in ["The lazy fox.", "桜の花", "return a + b\n", "unseen words ❄️"]:
+        ids = tok.encode(text)
+        assert ids == hf.encode(text, add_special_tokens=False).ids
+        assert tok.decode(ids) == text
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    chat_ids = tok.encode("<|im_start|>The fox<|im_end|>")
+    assert (chat_ids[0], chat_ids[-1]) == (1, 2)
+    assert tok.decode(chat_ids, skip_special=True) == "The fox"
+    assert tok.encode("hi", add_special=True) == tok.encode("hi")
+
+
+def test_hf_bos_from_post_processor_and_config(tmp_path: Path) -> None:
+    hf = train_hf_tokenizer()
+    hf.add_special_tokens([AddedToken("<s>", special=True)])
+    bos = hf.token_to_id("<s>")
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    probed_dir = write_hf_dir(tmp_path / "a", hf, {"bos_token": "<s>"})
+    probed = Tokenizer.from_object(tokenizer_object_from_hf(probed_dir))
+    plain = probed.encode("The fox")
+    assert plain[0] != bos
+    assert probed.encode("The fox", add_special=True) == [bos, *plain]
+    assert probed.bos_token == "<s>"
+    config = {"bos_token": {"content": "<s>"}, "add_bos_token": False}
+    disabled = Tokenizer.from_object(tokenizer_object_from_hf(write_hf_dir(tmp_path / "b", hf, config)))
+    assert disabled.bos_id == bos
+    assert disabled.encode("The fox", add_special=True) == plain
+
+
+def test_hf_chat_template_sources(tmp_path: Path) -> None:
+    hf = train_hf_tokenizer()
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    assert tokenizer_object_from_hf(write_hf_dir(tmp_path / "a", hf, {"chat_template": named}))[
+        "tokenizer.chat_template"
+    ] == "D"
+    jinja_dir = write_hf_dir(tmp_path / "b", hf, {})
+    (jinja_dir / "chat_template.jinja").write_text("J", encoding="utf-8")
+    assert tokenizer_object_from_hf(jinja_dir)["tokenizer.chat_template"] == "J"
+    json_dir = write_hf_dir(tmp_path / "c", hf, {})
+    (json_dir / "chat_template.json").write_text(json.dumps({"chat_template": "K"}), encoding="utf-8")
+    assert tokenizer_object_from_hf(json_dir)["tokenizer.chat_template"] == "K"
+    bare = write_hf_dir(tmp_path / "d", hf, {})
+    (bare / "tokenizer_config.json").unlink()
+    obj = tokenizer_object_from_hf(bare)
+    assert obj["tokenizer_config.json"] == {}
+    assert "tokenizer.chat_template" not in obj
+    assert Tokenizer.from_object(obj).chat_template is None
+
+
+def test_missing_tokenizer_json_names_the_directory(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerSourceError, match=f"no tokenizer.json in {tmp_path}"):
+        tokenizer_object_from_hf(tmp_path)
+    with pytest.raises(TokenizerSourceError, match="is not a .gguf file"):
+        tokenizer_object_from_path(tmp_path / "weights.bin")
+
+
+def test_hf_sentencepiece_style_token_bytes(tmp_path: Path) -> None:
+    pieces = ["<unk>", "<0xE6>", "<0xA1>", "<0x9C>", "▁", "h", "e", "l", "o"]
+    pieces += ["▁h", "▁he", "ll", "▁hell", "▁hello"]
+    merges = [("▁", "h"), ("▁h", "e"), ("l", "l"), ("▁he", "ll"), ("▁hell", "o")]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    hf = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok = Tokenizer.from_object(tokenizer_object_from_hf(write_hf_dir(tmp_path / "spm", hf, {})))
+    ids = tok.encode("hello 桜")
+    assert ids == [13, 4, 1, 2, 3]
+    assert [tok.token_bytes(i) for i in ids] == [b" hello", b" ", b"\xe6", b"\xa1", b"\x9c"]
+    # decode drops the space Metaspace put before the first word; the bytes keep it for streaming.
+    assert tok.decode(ids) == "hello 桜"
