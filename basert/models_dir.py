@@ -71,3 +71,27 @@ def installed_models(root: Path | None = None) -> list[InstalledModel]:
         model_id = f"{variant_dir.parent.parent.name}/{variant_dir.parent.name}"
         found.append(InstalledModel(model_id, variant_dir.name, path, path.stat().st_size))
     return found
+
+
+class ModelNotFoundError(LookupError):
+    """A model spec names no .base file and no installed model."""
+
+
+def resolve_model(spec: str | None, root: Path | None = None) -> Path:
+    """A .base path for a spec: a file path, `org/name[:variant]` in the models dir, or the default alias.
+
+    The default model (no spec, or "smollm2") is not converted here; see `ensure_default_model`.
+    """
+    if spec is None or spec in (DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_ID):
+        return default_model_path(root)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    model_id, _, variant = spec.partition(":")
+    candidates = [m for m in installed_models(root) if m.model_id == model_id and (not variant or m.variant == variant)]
+    if candidates:
+        return candidates[0].path
+    raise ModelNotFoundError(
+        f"model {spec!r} not found: not a file, and not installed in {root or models_dir()} "
+        "(see `basert list`; convert a GGUF or HF directory with `basert convert`)"
+    )

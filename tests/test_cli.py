@@ -78,3 +78,30 @@ def test_pull_and_list(tmp_path: Path) -> None:
     assert rows[0]["size_bytes"] == expected.stat().st_size
     table = basert("list", models_dir=models).stdout
     assert "HuggingFaceTB/SmolLM2-135M-Instruct  default-q4" in table
+
+
+def test_complete_prints_the_reference_continuation(smollm2_base: Path) -> None:
+    reference = json.loads((FIXTURES / "smollm2" / "reference.json").read_text())
+    capital = next(p for p in reference["prompts"] if p["name"] == "capital")
+    result = basert("complete", str(smollm2_base), "--prompt", capital["text"], "-n", "12", "--threads", "2")
+    assert result.returncode == 0, result.stderr
+    from basert.tokenizer import Tokenizer
+    from basert.format import BaseFile
+
+    with BaseFile(smollm2_base) as base:
+        tokenizer = Tokenizer.from_object(base.tokenizer)
+    assert result.stdout.rstrip("\n") == tokenizer.decode(capital["greedy"][:12]).rstrip("\n")
+    assert "12 generated" in result.stderr and "finish: length" in result.stderr
+    chat = basert("complete", str(smollm2_base), "--chat", "--system", "Answer briefly.", "--prompt",
+                  "What is 2+2?", "-n", "16")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.strip()
+
+
+def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
+    result = basert("bench", str(tiny_f32_bases["qwen3_5-tiny"]), "-p", "16", "-n", "4", "-r", "2", "-w", "0")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "| model | size | test | t/s |"
+    assert [line.split("|")[3].strip() for line in lines[2:]] == ["pp16", "tg4"]
+    assert all("±" in line for line in lines[2:])

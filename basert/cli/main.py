@@ -1,4 +1,4 @@
-"""The `basert` command: convert, inspect, pull and list models."""
+"""The `basert` command: serve, convert, inspect, pull, list, complete and bench."""
 
 from __future__ import annotations
 
@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "($BASERT_MODELS_DIR, default ~/.cache/baseRT/models).")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_list)
+
+    from basert.cli import bench, generate, serve
+
+    serve.add_parser(sub)
+    generate.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 
@@ -148,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `basert` console script."""
     from basert.convert.source import ConvertError
     from basert.format.errors import BaseFormatError
-    from basert.models_dir import DefaultModelMissingError
+    from basert.models_dir import DefaultModelMissingError, ModelNotFoundError
+    from basert.tokenizer import TokenizerError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -157,12 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ConvertError, BaseFormatError, DefaultModelMissingError, OSError) as exc:
+    except (ConvertError, BaseFormatError, DefaultModelMissingError, ModelNotFoundError, TokenizerError,
+            OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """Entry point of the `basert-serve` console script (same as `basert serve`)."""
+    return main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

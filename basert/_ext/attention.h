@@ -1,0 +1,148 @@
+/* Causal attention of one query row over a paged KV cache (blocks of 16 positions), with float32 or
+ * float16 cache entries. Positions are always visited in order 0..n-1 and every dot product uses
+ * the fixed 8-lane reduction of simd.h, so a token's output depends only on its query and the cache
+ * contents, never on how the prompt was split into calls. */
+#ifndef BASERT_ATTENTION_H
+#define BASERT_ATTENTION_H
+
+#include <stdint.h>
+#include <string.h>
+#include "simd.h"
+
+#define BASERT_KV_BLOCK 16
+
+/* IEEE half -> float, exactly as F16C converts. */
+static inline float basert_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (e == 0) {
+        v.f = (float)m * 5.9604644775390625e-8f; /* m * 2^-24, exact */
+        v.u |= sign;
+    } else if (e == 31) { /* inf, or a NaN made quiet as F16C does */
+        v.u = sign | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0u);
+    } else {
+        v.u = sign | ((e + 112) << 23) | (m << 13);
+    }
+    return v.f;
+}
+
+/* float -> IEEE half, round to nearest even, overflow to inf: what F16C and numpy's astype do. */
+static inline uint16_t basert_f32_to_f16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    uint32_t sign = (v.u >> 16) & 0x8000u, a = v.u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
+    if (a >= 0x38800000u) {                                  /* normal half */
+        uint32_t r = a - 0x38000000u;
+        r += 0xfffu + ((r >> 13) & 1u);
+        return (uint16_t)(sign | (r >> 13));
+    }
+    if (a < 0x33000000u) return (uint16_t)sign; /* <= 2^-25 rounds to zero */
+    uint32_t mant = (a & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126u - (a >> 23); /* 14..24: the half subnormal is mant * 2^-shift */
+    uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
+    if (rem > halfway || (rem == halfway && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+}
+
+/* dst[i] = half(x[i]) */
+static inline void basert_store_f16(const float *x, uint16_t *dst, ptrdiff_t n) {
+    ptrdiff_t i = 0;
+#if defined(BASERT_SIMD)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) dst[i] = basert_f32_to_f16(x[i]);
+}
+
+/* Dot product of q with a half row, in the order of basert_dot. */
+static inline float basert_dot_f16(const float *q, const uint16_t *k, ptrdiff_t n) {
+    ptrdiff_t i = 0;
+    float total;
+#if defined(BASERT_SIMD)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i))), acc);
+    total = basert_hsum8(acc);
+#else
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] = fmaf(q[i + j], basert_f16_to_f32(k[i + j]), acc[j]);
+    total = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+#endif
+    for (; i < n; i++) total = fmaf(q[i], basert_f16_to_f32(k[i]), total);
+    return total;
+}
+
+/* y[i] = fmaf(a, float(x[i]), y[i]) for a half row x. */
+static inline void basert_axpy_f16(float a, const uint16_t *x, float *y, ptrdiff_t n) {
+    ptrdiff_t i = 0;
+#if defined(BASERT_SIMD)
+    __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))),
+                                                _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] = fmaf(a, basert_f16_to_f32(x[i]), y[i]);
+}
+
+/* scores[i] = exp(scores[i] - shift); returns their sum (8 partial sums, fixed order). */
+static inline float basert_exp_shifted_sum(float *scores, float shift, ptrdiff_t n) {
+    ptrdiff_t i = 0;
+    float total;
+#if defined(BASERT_SIMD)
+    __m256 acc = _mm256_setzero_ps(), vs = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = basert_exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), vs));
+        _mm256_storeu_ps(scores + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    total = basert_hsum8(acc);
+#else
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) {
+            scores[i + j] = basert_expf(scores[i + j] - shift);
+            acc[j] += scores[i + j];
+        }
+    total = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+#endif
+    for (; i < n; i++) {
+        scores[i] = basert_expf(scores[i] - shift);
+        total += scores[i];
+    }
+    return total;
+}
+
+/* Offset in elements of position p's row for one kv head, whose rows in block 0 start at offset 0. */
+static inline ptrdiff_t basert_kv_row(const int32_t *block_table, ptrdiff_t block_stride, ptrdiff_t p, ptrdiff_t d) {
+    return (ptrdiff_t)block_table[p / BASERT_KV_BLOCK] * block_stride + (p % BASERT_KV_BLOCK) * d;
+}
+
+/* out[0..d) = softmax(scale * q.k_p for p < n_pos) . v_p. k and v point at the kv head's rows in
+ * block 0 (float or uint16_t as kv_f16 says); block_stride = elements per cache block; scores holds
+ * n_pos floats of scratch. */
+static inline void basert_attend_row(const float *q, const void *k, const void *v, int kv_f16,
+                                     const int32_t *block_table, ptrdiff_t block_stride, ptrdiff_t n_pos,
+                                     ptrdiff_t d, float scale, float *scores, float *out) {
+    float top = -INFINITY;
+    for (ptrdiff_t p = 0; p < n_pos; p++) {
+        ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
+        float s = kv_f16 ? basert_dot_f16(q, (const uint16_t *)k + row, d) : basert_dot(q, (const float *)k + row, d);
+        s *= scale;
+        scores[p] = s;
+        if (s > top) top = s;
+    }
+    float inv_sum = 1.0f / basert_exp_shifted_sum(scores, top, n_pos);
+    memset(out, 0, (size_t)d * sizeof(float));
+    for (ptrdiff_t p = 0; p < n_pos; p++) {
+        ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
+        if (kv_f16)
+            basert_axpy_f16(scores[p], (const uint16_t *)v + row, out, d);
+        else
+            basert_axpy(scores[p], (const float *)v + row, out, d);
+    }
+    basert_scale(inv_sum, out, d);
+}
+
+#endif

@@ -1,0 +1,194 @@
+# cython: language_level=3
+"""Matmul of float32 activations with .base weights (dense or group-quantized, de-quantized on the fly),
+and embedding row lookup. GIL released, output rows split across OpenMP threads; every output
+value is bit-identical whatever the batch size, its row in the batch, or the thread count."""
+
+from cython.parallel cimport prange, threadid
+from libc.stdint cimport int32_t, uint8_t, uint16_t
+from libc.stdlib cimport free
+from libc.string cimport memcpy
+
+cdef extern from "<stdlib.h>" nogil:
+    void *aligned_alloc(size_t alignment, size_t size)
+
+cdef extern from "matmul.h" nogil:
+    enum:
+        BASERT_F32
+        BASERT_F16
+        BASERT_BF16
+        BASERT_Q4
+        BASERT_Q8
+    ctypedef struct basert_weight:
+        int kind
+        int bf16_scales
+        Py_ssize_t n, k, group_size, row_bytes
+        const uint8_t *data
+        const uint16_t *scales
+        const uint16_t *biases
+    int basert_omp_max_threads()
+    void basert_omp_set_threads(int n)
+    void basert_dequant_row(const basert_weight *w, Py_ssize_t row, float *dst)
+    enum: BASERT_STREAM_MAX_M
+    void basert_stream(const basert_weight *w, const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t r0,
+                       Py_ssize_t r1, float *y, Py_ssize_t ldy)
+    Py_ssize_t basert_tile_stride(Py_ssize_t k)
+    Py_ssize_t basert_tile_rows(Py_ssize_t k)
+    void basert_gemm_tile(const basert_weight *w, const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t r0,
+                          Py_ssize_t r1, float *buf, float *out)
+
+# kind -> (C enum, bits per stored value)
+_KINDS = {"f32": (BASERT_F32, 32), "f16": (BASERT_F16, 16), "bf16": (BASERT_BF16, 16),
+          "base_q4": (BASERT_Q4, 4), "base_q8": (BASERT_Q8, 8)}
+
+cdef int _num_threads = max(1, basert_omp_max_threads())
+
+
+def set_num_threads(int n):
+    """Set the OpenMP threads used by the kernels (all of this module's, and prange defaults in this thread)."""
+    global _num_threads
+    if n < 1:
+        raise ValueError(f"thread count must be at least 1, got {n}")
+    _num_threads = n
+    # Kernels in other modules that call prange without num_threads follow the calling thread's default.
+    basert_omp_set_threads(n)
+
+
+def get_num_threads():
+    """The OpenMP threads the kernels use."""
+    return _num_threads
+
+
+cdef class Weight:
+    """A read-only view of one .base weight matrix [N, K]; keeps references to its arrays, never copies them."""
+
+    cdef readonly str kind, scale_dtype
+    cdef readonly int n, k, group_size
+    cdef readonly object data, scales, biases
+    # Typed views hold a buffer export, so the memory behind the raw pointers cannot move or be freed.
+    cdef const uint8_t[::1] _data_view
+    cdef const uint16_t[::1] _scales_view, _biases_view
+    cdef basert_weight c
+
+    def __init__(self, str kind, int n, int k, data, scales=None, biases=None, int group_size=0,
+                 str scale_dtype="f16"):
+        if kind not in _KINDS:
+            raise ValueError(f"kind must be one of {tuple(_KINDS)}, got {kind!r}")
+        if n < 0 or k < 1:
+            raise ValueError(f"bad weight shape [{n}, {k}]")
+        code, bits = _KINDS[kind]
+        quantized = code == BASERT_Q4 or code == BASERT_Q8
+        if quantized:
+            if scales is None:
+                raise ValueError(f"{kind} needs scales")
+            if group_size <= 0 or group_size % 8:
+                raise ValueError(f"group_size must be a positive multiple of 8, got {group_size}")
+            if k % group_size:
+                raise ValueError(f"K={k} is not divisible by group_size {group_size}")
+            if scale_dtype not in ("f16", "bf16"):
+                raise ValueError(f"scale_dtype must be 'f16' or 'bf16', got {scale_dtype!r}")
+        elif scales is not None or biases is not None or group_size != 0:
+            raise ValueError(f"dense kind {kind} takes no scales, biases or group_size")
+
+        cdef Py_ssize_t row_bytes = <Py_ssize_t>k * bits // 8
+        cdef Py_ssize_t groups = <Py_ssize_t>n * (k // group_size) if quantized else 0
+        self._data_view = data
+        if self._data_view.shape[0] != n * row_bytes:
+            raise ValueError(f"{kind} [{n}, {k}] needs {n * row_bytes} data bytes, got {self._data_view.shape[0]}")
+        if quantized:
+            self._scales_view = scales
+            if self._scales_view.shape[0] != groups:
+                raise ValueError(f"{kind} [{n}, {k}] group {group_size} needs {groups} scales, "
+                                 f"got {self._scales_view.shape[0]}")
+            if biases is not None:
+                self._biases_view = biases
+                if self._biases_view.shape[0] != groups:
+                    raise ValueError(f"{kind} [{n}, {k}] group {group_size} needs {groups} biases, "
+                                     f"got {self._biases_view.shape[0]}")
+
+        self.kind, self.n, self.k, self.group_size, self.scale_dtype = kind, n, k, group_size, scale_dtype
+        self.data, self.scales, self.biases = data, scales, biases
+        self.c.kind = code
+        self.c.bf16_scales = scale_dtype == "bf16"
+        self.c.n, self.c.k, self.c.group_size, self.c.row_bytes = n, k, group_size, row_bytes
+        self.c.data = &self._data_view[0] if self._data_view.shape[0] else NULL
+        self.c.scales = NULL
+        self.c.biases = NULL
+        if quantized and groups:
+            self.c.scales = &self._scales_view[0]
+            if biases is not None:
+                self.c.biases = &self._biases_view[0]
+        if code == BASERT_F32 and <size_t>self.c.data % 4:
+            raise ValueError("f32 weight data must be 4-byte aligned")
+
+    def rows(self, int start, int stop):
+        """A Weight for output rows [start, stop), viewing the same arrays (e.g. one expert of an [E*N, K] stack)."""
+        if not 0 <= start <= stop <= self.n:
+            raise ValueError(f"rows [{start}, {stop}) out of range for {self.n} rows")
+        rb = self.c.row_bytes
+        data = self.data[start * rb:stop * rb]
+        if self.scales is None:
+            return Weight(self.kind, stop - start, self.k, data)
+        g = self.k // self.group_size
+        biases = None if self.biases is None else self.biases[start * g:stop * g]
+        return Weight(self.kind, stop - start, self.k, data, self.scales[start * g:stop * g], biases,
+                      self.group_size, self.scale_dtype)
+
+    def __repr__(self):
+        return f"Weight({self.kind}, n={self.n}, k={self.k}, group_size={self.group_size})"
+
+
+def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
+    """out[M, N] = x[M, K] @ W^T in float32; out[m, n] does not depend on M, m or the thread count."""
+    cdef Py_ssize_t m = x.shape[0], n = w.c.n, k = w.c.k
+    cdef Py_ssize_t per, chunks, rows, tiles, stride, ldx, copied, i, t
+    cdef int nt = _num_threads
+    cdef float *buf = NULL
+    cdef float *xs
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, the weight has K={k}")
+    if out.shape[0] != m or out.shape[1] != n:
+        raise ValueError(f"out has shape ({out.shape[0]}, {out.shape[1]}), expected ({m}, {n})")
+    if m == 0 or n == 0:
+        return
+    if m <= BASERT_STREAM_MAX_M:
+        # One contiguous run of rows per thread (a multiple of 4 for the 4-row kernel) streams best.
+        per = ((n + nt - 1) // nt + 3) // 4 * 4
+        chunks = (n + per - 1) // per
+        with nogil:
+            for t in prange(chunks, num_threads=nt, schedule="static"):
+                basert_stream(&w.c, &x[0, 0], k, m, t * per, min(n, (t + 1) * per), &out[0, 0], n)
+        return
+    rows = basert_tile_rows(k)
+    tiles = (n + rows - 1) // rows
+    stride = rows * basert_tile_stride(k) if w.c.kind != BASERT_F32 else 0
+    # The microkernel wants 32-byte aligned activation rows: copy x unless it already has them.
+    copied = m if (<size_t>&x[0, 0]) % 32 or k % 8 else 0
+    ldx = basert_tile_stride(k) if copied else k
+    if nt * stride + copied * ldx:
+        buf = <float *>aligned_alloc(64, (nt * stride + copied * ldx) * sizeof(float))
+        if buf == NULL:
+            raise MemoryError()
+    xs = buf + nt * stride if copied else <float *>&x[0, 0]
+    try:
+        with nogil:
+            # Two parallel regions: every row must be copied before any tile reads it.
+            for i in prange(copied, num_threads=nt, schedule="static"):
+                memcpy(xs + i * ldx, &x[i, 0], k * sizeof(float))
+            for t in prange(tiles, num_threads=nt, schedule="static"):
+                basert_gemm_tile(&w.c, xs, ldx, m, t * rows, min(n, (t + 1) * rows),
+                                 buf + threadid() * stride if stride else NULL, &out[0, 0])
+    finally:
+        free(buf)
+
+
+def embed_rows(Weight w not None, const int32_t[::1] ids, float[:, ::1] out):
+    """out[i] = row ids[i] of W de-quantized exactly as basert.format.quant.dequantize does."""
+    cdef Py_ssize_t count = ids.shape[0], n = w.c.n, i
+    if out.shape[0] != count or out.shape[1] != w.c.k:
+        raise ValueError(f"out has shape ({out.shape[0]}, {out.shape[1]}), expected ({count}, {w.c.k})")
+    for i in range(count):
+        if not 0 <= ids[i] < n:
+            raise ValueError(f"id {ids[i]} at position {i} is out of range for {n} rows")
+    with nogil:
+        for i in prange(count, num_threads=_num_threads, schedule="static"):
+            basert_dequant_row(&w.c, ids[i], &out[i, 0])

@@ -1,0 +1,223 @@
+"""ModelActor: the one trio task that owns a model's engine.
+
+HTTP handlers send messages to its mailbox and await replies on their own channel. The actor
+admits queued requests into free lanes, runs `Engine.step` in a worker thread while the event
+loop keeps serving, relays the events, and handles admin messages between steps, so nothing
+ever races a forward. A failing step fails only the requests in it; the actor keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from basert.actor.messages import (
+    Cancel,
+    Done,
+    Failed,
+    Generate,
+    Message,
+    SlotErase,
+    SlotList,
+    SlotRestore,
+    SlotSave,
+    Stats,
+    Tokens,
+)
+from basert.engine.engine import Engine, FailEvent, FinishEvent, TokenEvent
+from basert.engine.snapshot import restore_lane, save_lane
+
+log = logging.getLogger("basert.actor")
+
+
+class SlotNotFoundError(LookupError):
+    """No lane with this id."""
+
+    def __init__(self, slot: int, n_slots: int):
+        super().__init__(f"slot {slot} not found (this model has slots 0..{n_slots - 1})")
+        self.slot = slot
+
+
+@dataclass(slots=True)
+class SlotOperationResult:
+    slot: int
+    n_tokens: int
+    n_bytes: int
+    milliseconds: float
+
+
+class ModelActor:
+    """Mailbox + engine of one model. Start `run()` in a nursery; stop it by cancelling that scope."""
+
+    def __init__(self, model_id: str, engine: Engine):
+        self.model_id = model_id
+        self.engine = engine
+        self.mailbox, self._inbox = trio.open_memory_channel[Message](math.inf)
+        self.waiting: deque[Generate] = deque()
+        self.admin: deque[Message] = deque()
+        self.replies: dict[str, trio.MemorySendChannel] = {}
+        self.lane_requests: dict[int, str] = {}
+        self.steps = 0
+
+    # --- the task -----------------------------------------------------------------------------
+    async def run(self) -> None:
+        async with self._inbox:
+            while True:
+                if not (self.engine.has_work or self.waiting or self.admin):
+                    self._handle(await self._inbox.receive())
+                while True:
+                    try:
+                        self._handle(self._inbox.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                await self._run_admin()
+                self._admit()
+                if self.engine.has_work:
+                    events = await trio.to_thread.run_sync(self.engine.step)
+                    self.steps += 1
+                    self._dispatch(events)
+                elif self.admin:
+                    # Admin work waits for a busy slot that is not stepping: yield to the loop.
+                    await trio.sleep(0.001)
+
+    def _handle(self, message: Message) -> None:
+        if isinstance(message, Generate):
+            self.replies[message.request.request_id] = message.reply
+            self.waiting.append(message)
+        elif isinstance(message, Cancel):
+            self._cancel(message.request_id)
+        else:
+            self.admin.append(message)
+
+    def _cancel(self, request_id: str) -> None:
+        self.waiting = deque(g for g in self.waiting if g.request.request_id != request_id)
+        self.engine.cancel(request_id)
+        reply = self.replies.pop(request_id, None)
+        if reply is not None:
+            reply.close()
+        for lane, rid in list(self.lane_requests.items()):
+            if rid == request_id:
+                del self.lane_requests[lane]
+
+    def _admit(self) -> None:
+        still_waiting: deque[Generate] = deque()
+        while self.waiting:
+            message = self.waiting.popleft()
+            request = message.request
+            if message.slot_hint is not None:
+                lanes = self.engine.lanes
+                lane = lanes[message.slot_hint] if 0 <= message.slot_hint < len(lanes) else None
+                lane = lane if lane is not None and not lane.busy else None
+            else:
+                lane = self.engine.free_lane(request.prompt)
+            if lane is None:
+                still_waiting.append(message)
+                continue
+            try:
+                self.engine.admit(request, lane)
+            except Exception as exc:  # a bad request fails alone
+                self._reply(request.request_id, Failed(exc), final=True)
+                continue
+            self.lane_requests[lane.index] = request.request_id
+        self.waiting = still_waiting
+
+    def _dispatch(self, events) -> None:
+        for event in events:
+            if isinstance(event, TokenEvent):
+                self._reply(event.request_id, Tokens([event.token_id], event.text, [event.logprob]))
+            elif isinstance(event, FinishEvent):
+                self.lane_requests.pop(event.lane, None)
+                self._reply(event.request_id, Done(event.finish_reason, event.text, event.usage, event.timings,
+                                                   event.lane, event.timed_out), final=True)
+            elif isinstance(event, FailEvent):
+                log.error("request %s failed in a step: %r", event.request_id, event.error)
+                for lane, rid in list(self.lane_requests.items()):
+                    if rid == event.request_id:
+                        del self.lane_requests[lane]
+                self._reply(event.request_id, Failed(event.error), final=True)
+
+    def _reply(self, request_id: str, reply, final: bool = False) -> None:
+        channel = self.replies.get(request_id)
+        if channel is None:
+            return
+        try:
+            channel.send_nowait(reply)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The handler is gone (client disconnected): free the lane now.
+            self._cancel(request_id)
+            return
+        if final:
+            self.replies.pop(request_id, None)
+            channel.close()
+
+    # --- admin --------------------------------------------------------------------------------
+    async def _run_admin(self) -> None:
+        postponed: deque[Message] = deque()
+        while self.admin:
+            message = self.admin.popleft()
+            slot = getattr(message, "slot", None)
+            if slot is not None and 0 <= slot < len(self.engine.lanes) and self.engine.lanes[slot].busy:
+                postponed.append(message)  # a save/restore/erase on a busy slot waits for it to be free
+                continue
+            try:
+                result = await self._admin(message)
+            except Exception as exc:
+                result = exc
+            try:
+                message.reply.send_nowait(result)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        self.admin = postponed
+
+    def _lane(self, slot: int):
+        if not 0 <= slot < len(self.engine.lanes):
+            raise SlotNotFoundError(slot, len(self.engine.lanes))
+        return self.engine.lanes[slot]
+
+    async def _admin(self, message: Message):
+        if isinstance(message, SlotList):
+            return self.slot_list()
+        if isinstance(message, Stats):
+            return {"model": self.model_id, "steps": self.steps, "waiting": len(self.waiting),
+                    "busy_slots": sum(lane.busy for lane in self.engine.lanes)}
+        lane = self._lane(message.slot)
+        started = time.perf_counter()
+        runner = self.engine.runner
+        if isinstance(message, SlotSave):
+            info = await trio.to_thread.run_sync(save_lane, runner, lane, Path(message.path))
+        elif isinstance(message, SlotRestore):
+            try:
+                info = await trio.to_thread.run_sync(restore_lane, runner, lane, Path(message.path))
+            except Exception:
+                # A refused snapshot leaves the slot empty, never half-restored or stale.
+                runner.release(lane.sequence)
+                lane.checkpoint = None
+                raise
+        elif isinstance(message, SlotErase):
+            n = lane.sequence.n_past
+            runner.release(lane.sequence)
+            lane.checkpoint = None
+            return SlotOperationResult(message.slot, n, 0, 1000 * (time.perf_counter() - started))
+        else:
+            raise TypeError(f"unknown admin message {message!r}")
+        return SlotOperationResult(message.slot, info.n_tokens, info.n_bytes, 1000 * (time.perf_counter() - started))
+
+    def slot_list(self) -> list[dict]:
+        rows = []
+        for lane in self.engine.lanes:
+            rows.append({
+                "id": lane.index,
+                "model": self.model_id,
+                "is_processing": lane.busy,
+                "cache_tokens": lane.sequence.n_past,
+                "cache_position": lane.sequence.n_past,
+                "n_ctx": self.engine.runner.max_context,
+                "request_id": self.lane_requests.get(lane.index),
+            })
+        return rows

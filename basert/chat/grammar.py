@@ -1,0 +1,264 @@
+"""Grammar-constrained decoding with llguidance: JSON schemas and forced tool calls as masks over the vocabulary.
+
+One `GrammarFactory` per model compiles constraints; one `GrammarMatcher` per request and choice masks
+each logits row and follows the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+
+from basert.chat.tool_calls import CLOSE_TAG, OPEN_TAG, QWEN_JSON, QWEN_XML
+from basert.tokenizer import Tokenizer
+
+# Compact JSON: a structure leaves no room for whitespace, so a weak model cannot loop on it.
+COMPACT = {"whitespace_flexible": False}
+# Tool schemas come with every request and often carry keywords (formats, annotations) llguidance does not
+# implement; a forced call should ignore those rather than fail. A response_format schema is enforced strictly.
+COMPACT_LENIENT = {"whitespace_flexible": False, "lenient": True}
+# Short errors: the default embeds the parser state and the whole grammar in every message.
+LIMITS = LLParserLimits(verbose_errors=False)
+XML_CLOSE_PARAMETER = "</parameter>"
+TEXT_VALUE = "TEXT_VALUE"
+# JSON-schema types that the XML dialect writes as JSON text; any other parameter is raw text.
+XML_JSON_TYPES = frozenset({"integer", "number", "boolean", "null", "object", "array"})
+DEFINITION_KEYS = ("$defs", "definitions")
+# Row b holds, for the 8 token ids that byte b of a bitmask covers, the ceiling each logit gets: +inf keeps
+# it (min(x, +inf) == x), -inf masks it. Masking is then one gather and one minimum, with no branches.
+BYTE_CEILINGS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, np.inf, -np.inf).astype(np.float32)
+
+
+class GrammarError(ValueError):
+    """A schema, tool list or grammar that cannot be enforced; raised when the constraint is built."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A constraint compiled for one model's vocabulary; every choice of a request starts from a copy."""
+
+    source: str
+    initial: LLMatcher
+
+
+class GrammarFactory:
+    """Compiles constraints against one model's vocabulary (built once per model: about a second)."""
+
+    __slots__ = ("_tokenizer", "_lltokenizer", "vocab_size")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        # The first EOS id is the one llguidance names; every turn end ends a complete output.
+        eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+        eos += sorted(tokenizer.eos_ids - set(eos))
+        self._tokenizer = tokenizer
+        self._lltokenizer = LLTokenizer(tokenizer.to_hf_json(), eos_token=eos or None)
+        self.vocab_size: int = self._lltokenizer.vocab_size
+
+    def json_schema(self, schema: dict) -> Grammar:
+        """Output one compact JSON value matching `schema` (response_format json_schema)."""
+        if not isinstance(schema, dict):
+            raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        try:
+            source = LLMatcher.grammar_from_json_schema(schema, overrides=COMPACT)
+        except ValueError as error:
+            raise GrammarError(f"invalid JSON schema: {error}") from None
+        return self._compile(source)
+
+    def json_object(self) -> Grammar:
+        """Output one compact JSON object of any shape (response_format json_object)."""
+        return self.json_schema({"type": "object"})
+
+    def tool_call(self, tools: list[dict], dialect: str, *, name: str | None = None, parallel: bool = False) -> Grammar:
+        """Output one tool call (with `parallel`, one or more) in the model's dialect, then end."""
+        functions = _functions(tools)
+        if name is not None:
+            functions = [f for f in functions if f["name"] == name]
+            if not functions:
+                raise GrammarError(f"tool {name!r} is not among the tools")
+        if dialect == QWEN_JSON:
+            rules = self._json_dialect(functions)
+        elif dialect == QWEN_XML:
+            rules = self._xml_dialect(functions)
+        else:
+            raise GrammarError(f"unknown tool-call dialect {dialect!r}")
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        call = f'call: {self._literal(OPEN_TAG)} "\\n" body "\\n" {self._literal(CLOSE_TAG)}'
+        return self._compile(LLMatcher.grammar_from_lark("\n".join([start, call, *rules])))
+
+    def matcher(self, grammar: Grammar) -> GrammarMatcher:
+        """A fresh matcher at the start of `grammar`, for one choice of one request."""
+        return GrammarMatcher(grammar.initial.deep_copy(), self.vocab_size)
+
+    def _compile(self, source: str) -> Grammar:
+        matcher = LLMatcher(self._lltokenizer, source, log_level=0, limits=LIMITS)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return Grammar(source, matcher)
+
+    def _literal(self, text: str) -> str:
+        """Lark for fixed text, naming as token ids the added tokens the tokenizer splits it into."""
+        # llguidance treats every added token (Qwen's `<tool_call>` among them) as special: it matches
+        # only `<[id]>`, never the text it stands for, and the model only ever saw it as that one token.
+        parts: list[str] = []
+        pending = b""
+        for token_id in self._tokenizer.encode(text):
+            if self._lltokenizer.is_special_token(token_id):
+                if pending:
+                    parts.append(_lark_string(pending.decode("utf-8")))
+                    pending = b""
+                parts.append(f"<[{token_id}]>")
+            else:
+                pending += self._tokenizer.token_bytes(token_id)
+        if pending:
+            parts.append(_lark_string(pending.decode("utf-8")))
+        return " ".join(parts)
+
+    def _json_dialect(self, functions: list[dict]) -> list[str]:
+        # One JSON document per function so each keeps its own `$defs` for `#/$defs/...` references.
+        rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
+        for i, function in enumerate(functions):
+            arguments = _closed(function["parameters"])
+            schema = {
+                "x-guidance": COMPACT_LENIENT,
+                "type": "object",
+                "properties": {"name": {"const": function["name"]}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            _hoist_definitions(schema, arguments)
+            rules.append(f"fn{i}: %json {json.dumps(schema)}")
+        return rules
+
+    def _xml_dialect(self, functions: list[dict]) -> list[str]:
+        rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
+        for i, function in enumerate(functions):
+            parameters = function["parameters"]
+            properties = parameters.get("properties") or {}
+            required = parameters.get("required") or []
+            names = [*properties, *(n for n in required if n not in properties)]
+            items = [self._literal(f"<function={function['name']}>\n")]
+            for j, param in enumerate(names):
+                rule = f"fn{i}_p{j}"
+                items.append(rule if param in required else f"{rule}?")
+                head = self._literal(f"<parameter={param}>\n")
+                schema = properties.get(param, {})
+                value = self._xml_value(schema, parameters, f"{rule}_value", rules)
+                rules.append(f"{rule}: {head} {value}")
+            items.append(self._literal("</function>"))
+            rules.append(f"fn{i}: " + " ".join(items))
+        # Raw text up to the first `</parameter>`, as the parser reads it; the closing tag must follow a newline.
+        # Not bounded by minLength/maxLength: a counted `(?s:.){m,n}` costs milliseconds per token to mask
+        # and exceeds llguidance's lexer limits once combined with the exclusion.
+        rules.append(f"{TEXT_VALUE}: /(?s:.*)\\n<\\/parameter>/ & ~/(?s:.*)<\\/parameter>(?s:.+)/")
+        return rules
+
+    def _xml_value(self, schema: Any, parameters: dict, rule: str, rules: list[str]) -> str:
+        """Lark for one XML parameter value and the newline after its closing tag."""
+        close = self._literal(f"\n{XML_CLOSE_PARAMETER}\n")
+        schema = schema if isinstance(schema, dict) else {}
+        declared = schema.get("type")
+        types = set(declared) if isinstance(declared, list) else {declared}
+        if types & XML_JSON_TYPES and "string" not in types:
+            document = {**schema, "x-guidance": COMPACT_LENIENT}
+            _hoist_definitions(document, parameters)
+            rules.append(f"{rule}: %json {json.dumps(document)}")
+            return f"{rule} {close}"
+        choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
+            rules.append(f"{rule}: " + " | ".join(self._literal(c) for c in choices))
+            return f"{rule} {close}"
+        return f'{TEXT_VALUE} "\\n"'
+
+
+class GrammarMatcher:
+    """One choice's position in a grammar: which tokens may come next, advanced by each sampled token."""
+
+    __slots__ = ("_matcher", "_bitmask", "_ceilings", "_mask_ready", "vocab_size")
+
+    def __init__(self, matcher: LLMatcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        self._ceilings = np.empty((self._bitmask.nbytes, 8), dtype=np.float32)
+        self._mask_ready = False
+
+    def allowed_mask(self, out: np.ndarray | None = None) -> np.ndarray:
+        """Bool per token id (over `out`'s length, default the vocabulary): True where the token may come next."""
+        bits = self._bits()
+        if out is None:
+            return np.unpackbits(bits, count=self.vocab_size, bitorder="little").view(np.bool_)
+        n = min(len(out), self.vocab_size)
+        out[:n] = np.unpackbits(bits, count=n, bitorder="little").view(np.bool_)
+        out[n:] = False
+        return out
+
+    def apply(self, logits: np.ndarray) -> None:
+        """Set the logit of every token that may not come next to -inf, in place; ids past the vocabulary too."""
+        n = min(logits.shape[-1], self.vocab_size)
+        np.take(BYTE_CEILINGS, self._bits(), axis=0, out=self._ceilings)
+        np.minimum(logits[..., :n], self._ceilings.reshape(-1)[:n], out=logits[..., :n])
+        logits[..., n:] = -np.inf
+
+    def consume(self, token_id: int) -> None:
+        """Advance past a sampled token; GrammarError if the grammar does not allow it here."""
+        self._mask_ready = False
+        if not self._matcher.consume_token(token_id):
+            raise GrammarError(f"token {token_id} is not allowed here: {self._matcher.get_error()}")
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the output is complete and the grammar allows nothing more than EOS."""
+        return self._matcher.is_stopped() and self._matcher.is_accepting()
+
+    def reset(self) -> None:
+        """Go back to the start of the grammar."""
+        self._matcher.reset()
+        self._mask_ready = False
+
+    def _bits(self) -> np.ndarray:
+        # The mask, one bit per token id, as bytes in id order; computed once per position.
+        if not self._mask_ready:
+            self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
+            self._mask_ready = True
+        return self._bitmask.view(np.uint8)
+
+
+def _functions(tools: list[dict]) -> list[dict]:
+    """Each OpenAI tool's function as {"name", "parameters"}, checked."""
+    functions = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise GrammarError("each tool must be {'type': 'function', 'function': {'name': ..., ...}}")
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise GrammarError(f"parameters of tool {function['name']!r} must be a JSON schema object")
+        functions.append({"name": function["name"], "parameters": parameters})
+    if not functions:
+        raise GrammarError("a forced tool call needs at least one tool")
+    return functions
+
+
+def _closed(parameters: dict) -> dict:
+    """The arguments schema, limited to the declared parameters unless it says otherwise."""
+    # As in the XML dialect and OpenAI's strict mode: undeclared keys would only give a weak model
+    # room to write unbounded names and values.
+    return {**parameters, "additionalProperties": parameters.get("additionalProperties", False)}
+
+
+def _hoist_definitions(document: dict, root: dict) -> None:
+    """Copy `root`'s `$defs`/`definitions` to `document`, where its `#/$defs/...` references now resolve."""
+    for key in DEFINITION_KEYS:
+        if key in root:
+            document[key] = root[key]
+
+
+def _lark_string(text: str) -> str:
+    # A JSON string literal is a valid lark string literal (llguidance reads the same escapes).
+    return json.dumps(text)

@@ -1,0 +1,386 @@
+"""Tool calls: the generic tool prompt, and streaming parsers that turn generated text into OpenAI tool calls.
+
+Both dialects wrap a call in `<tool_call>` tags: Qwen3/Hermes put a JSON object inside, Qwen3.5/Qwen3-Coder an XML body.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import uuid4
+
+from basert.chat.reasoning import partial_tag_length
+
+QWEN_JSON = "qwen_json"
+QWEN_XML = "qwen_xml"
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+
+# The same wording as Qwen3's own template, so a model trained on that format recognises it.
+GENERIC_TOOL_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One complete tool call; `arguments` is a JSON object string."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict:
+        """The call as an entry of an OpenAI `message.tool_calls` list."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """One streamed piece of a tool call: the first of a call has id and name, later ones only argument text."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+    def to_openai(self) -> dict:
+        """The delta as an entry of an OpenAI streaming `delta.tool_calls` list."""
+        function: dict[str, str] = {"arguments": self.arguments}
+        if self.name is not None:
+            function["name"] = self.name
+        if self.id is None:
+            return {"index": self.index, "function": function}
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": function,
+        }
+
+
+@dataclass(slots=True)
+class ParserEvents:
+    """What one `feed` or `finish` produced: content safe to stream now, and tool-call deltas."""
+
+    content: str = ""
+    tool_deltas: list[ToolCallDelta] = field(default_factory=list)
+
+
+def detect_dialect(template_source: str | None) -> str:
+    """The tool-call dialect a chat template teaches its model; the generic prompt teaches JSON."""
+    if template_source is not None and (
+        "<function=" in template_source or "<parameter=" in template_source
+    ):
+        return QWEN_XML
+    return QWEN_JSON
+
+
+def tool_system_prompt(tools: list[dict]) -> str:
+    """The system-prompt text describing `tools`, for templates that do not render tools themselves."""
+    described = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return GENERIC_TOOL_PROMPT.replace("{tools}", described)
+
+
+def inject_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """A copy of `messages` whose system message starts with the generic tool prompt."""
+    prompt = tool_system_prompt(tools)
+    if not messages or messages[0].get("role") != "system":
+        return [{"role": "system", "content": prompt}, *messages]
+    system = messages[0]
+    content = system.get("content")
+    if isinstance(content, list):
+        merged: str | list[dict] = [{"type": "text", "text": prompt}, *content]
+    elif content:
+        merged = f"{prompt}\n\n{content}"
+    else:
+        merged = prompt
+    return [{**system, "content": merged}, *messages[1:]]
+
+
+class ToolCallParser(ABC):
+    """Streaming parser for one choice of one request: splits generated text into content and tool calls.
+
+    A call is reported only once its closing tag is seen, because a streamed delta cannot be taken back
+    when generation stops inside the call. Whitespace that only separates content from calls is dropped.
+    """
+
+    __slots__ = (
+        "_after_call",
+        "_buffer",
+        "_content",
+        "_held_ws",
+        "_id_prefix",
+        "_in_call",
+        "tool_calls",
+    )
+
+    def __init__(self, id_prefix: str = "call_") -> None:
+        self._id_prefix = id_prefix
+        # Text not yet resolved: a possible partial open tag outside a call, the whole body inside one.
+        self._buffer = ""
+        self._in_call = False
+        # Trailing whitespace of the content so far, emitted only once more content follows.
+        self._held_ws = ""
+        # True while nothing but whitespace has followed the last complete call.
+        self._after_call = False
+        self._content: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+
+    @property
+    def content(self) -> str:
+        """All content text emitted so far."""
+        return "".join(self._content)
+
+    def feed(self, text: str) -> ParserEvents:
+        """Take the next piece of generated text; return what can be streamed now."""
+        events = ParserEvents()
+        self._buffer += text
+        while self._step(events):
+            pass
+        return events
+
+    def finish(self, truncated: bool) -> ParserEvents:
+        """End of generation: an unterminated call becomes content, truncated by max_tokens or not."""
+        events = ParserEvents()
+        self._text(OPEN_TAG + self._buffer if self._in_call else self._buffer, events)
+        self._buffer = ""
+        self._in_call = False
+        if not self._after_call:
+            self._emit(self._held_ws, events)
+        self._held_ws = ""
+        return events
+
+    @abstractmethod
+    def _parse_body(self, body: str) -> tuple[str, dict[str, Any]] | None:
+        """The (name, arguments) of the text between the tags, or None when it is not a well-formed call."""
+
+    def _step(self, events: ParserEvents) -> bool:
+        # One transition of the scanner; False when the buffer needs more text to go on.
+        if self._in_call:
+            end = self._buffer.find(CLOSE_TAG)
+            if end < 0:
+                return False
+            body = self._buffer[:end]
+            self._buffer = self._buffer[end + len(CLOSE_TAG) :]
+            self._in_call = False
+            self._close_call(body, events)
+            return True
+        start = self._buffer.find(OPEN_TAG)
+        if start < 0:
+            keep = partial_tag_length(self._buffer, OPEN_TAG)
+            self._text(self._buffer[: len(self._buffer) - keep], events)
+            self._buffer = self._buffer[len(self._buffer) - keep :]
+            return False
+        self._text(self._buffer[:start], events)
+        self._buffer = self._buffer[start + len(OPEN_TAG) :]
+        self._in_call = True
+        return True
+
+    def _close_call(self, body: str, events: ParserEvents) -> None:
+        parsed = self._parse_body(body)
+        if parsed is None:
+            self._text(OPEN_TAG + body + CLOSE_TAG, events)
+            return
+        name, arguments = parsed
+        call = ToolCall(f"{self._id_prefix}{uuid4().hex[:24]}", name, _dump(arguments))
+        events.tool_deltas.append(
+            ToolCallDelta(len(self.tool_calls), call.id, call.name, call.arguments)
+        )
+        self.tool_calls.append(call)
+        self._after_call = True
+
+    def _text(self, text: str, events: ParserEvents) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+            # The whitespace before the calls separates this text from earlier content, if there is any.
+            if not self._content:
+                self._held_ws = ""
+        body = text.rstrip()
+        if not body:
+            self._held_ws += text
+            return
+        self._emit(self._held_ws + body, events)
+        self._held_ws = text[len(body) :]
+
+    def _emit(self, text: str, events: ParserEvents) -> None:
+        if text:
+            events.content += text
+            self._content.append(text)
+
+
+class QwenJsonToolParser(ToolCallParser):
+    """Qwen3 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+
+    __slots__ = ()
+
+    def _parse_body(self, body: str) -> tuple[str, dict[str, Any]] | None:
+        call = _loads(body)
+        if (
+            not isinstance(call, dict)
+            or not isinstance(call.get("name"), str)
+            or not call["name"]
+        ):
+            return None
+        arguments = call.get("arguments", call.get("parameters"))
+        if arguments is None:
+            return call["name"], {}
+        if isinstance(arguments, str):
+            arguments = _loads(arguments)
+        return (call["name"], arguments) if isinstance(arguments, dict) else None
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+class QwenXmlToolParser(ToolCallParser):
+    """Qwen3.5 / Qwen3-Coder: `<function=NAME>` with `<parameter=P>` values typed by the request's schemas."""
+
+    __slots__ = ("_schemas",)
+
+    def __init__(self, tools: list[dict] | None, id_prefix: str = "call_") -> None:
+        super().__init__(id_prefix)
+        self._schemas = _parameter_schemas(tools)
+
+    def _parse_body(self, body: str) -> tuple[str, dict[str, Any]] | None:
+        function = _FUNCTION.fullmatch(body)
+        if function is None or not function[1].strip():
+            return None
+        name, inner = function[1].strip(), function[2]
+        properties = self._schemas.get(name, {})
+        arguments: dict[str, Any] = {}
+        position = 0
+        while (parameter := _PARAMETER.match(inner, position)) is not None:
+            # The template writes each value between newlines; any further newlines belong to the value.
+            value = parameter[2].removeprefix("\n").removesuffix("\n")
+            key = parameter[1].strip()
+            arguments[key] = _coerce(value, properties.get(key))
+            position = parameter.end()
+        if inner[position:].strip():
+            return None
+        return name, arguments
+
+
+def make_tool_parser(
+    dialect: str, tools: list[dict] | None, id_prefix: str = "call_"
+) -> ToolCallParser:
+    """A fresh parser for one choice of one request."""
+    if dialect == QWEN_JSON:
+        return QwenJsonToolParser(id_prefix)
+    if dialect == QWEN_XML:
+        return QwenXmlToolParser(tools, id_prefix)
+    raise ValueError(f"unknown tool-call dialect {dialect!r}")
+
+
+def _dump(arguments: dict[str, Any]) -> str:
+    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+
+
+def _reject_constant(name: str) -> None:
+    # NaN and Infinity are not JSON: re-serialised, they would make the arguments string invalid.
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str) -> Any:
+    # None for anything that is not strict JSON; generated text must never raise.
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _parameter_schemas(tools: list[dict] | None) -> dict[str, dict[str, Any]]:
+    # function name -> its parameters' JSON-schema "properties"
+    schemas: dict[str, dict[str, Any]] = {}
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            continue
+        parameters = function.get("parameters")
+        properties = (
+            parameters.get("properties") if isinstance(parameters, dict) else None
+        )
+        schemas[function["name"]] = properties if isinstance(properties, dict) else {}
+    return schemas
+
+
+_INTEGER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][+-]?\d+)?")
+_NOT = object()
+
+
+def _as_null(text: str) -> Any:
+    return None if text == "null" else _NOT
+
+
+def _as_boolean(text: str) -> Any:
+    return {"true": True, "false": False}.get(text.lower(), _NOT)
+
+
+def _as_integer(text: str) -> Any:
+    if not _INTEGER.fullmatch(text):
+        return _NOT
+    try:
+        return int(text)
+    except ValueError:  # past Python's int-from-string digit limit
+        return _NOT
+
+
+def _as_number(text: str) -> Any:
+    if _INTEGER.fullmatch(text):
+        return _as_integer(text)
+    if not _NUMBER.fullmatch(text):
+        return _NOT
+    number = float(text)
+    return number if math.isfinite(number) else _NOT
+
+
+def _as_object(text: str) -> Any:
+    value = _loads(text)
+    return value if isinstance(value, dict) else _NOT
+
+
+def _as_array(text: str) -> Any:
+    value = _loads(text)
+    return value if isinstance(value, list) else _NOT
+
+
+# Tried in this order whatever order a type list declares, so "null" and "5" read as null and 5
+# under ["string", "null"] or ["string", "integer"]; a value no declared type accepts stays a string.
+_COERCIONS = (
+    ("null", _as_null),
+    ("boolean", _as_boolean),
+    ("integer", _as_integer),
+    ("number", _as_number),
+    ("object", _as_object),
+    ("array", _as_array),
+)
+
+
+def _coerce(value: str, schema: Any) -> Any:
+    declared = schema.get("type") if isinstance(schema, dict) else None
+    types = declared if isinstance(declared, list) else [declared]
+    text = value.strip()
+    for kind, convert in _COERCIONS:
+        if kind in types:
+            converted = convert(text)
+            if converted is not _NOT:
+                return converted
+    return value

@@ -1,0 +1,78 @@
+"""`basert complete`: generate a completion for a prompt (optionally through the chat template)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def model_path_for(spec: str | None) -> Path:
+    """Resolve a model spec; the default model is converted on first use, with a progress bar."""
+    from basert.cli.progress import ProgressBar
+    from basert.convert.default_model import PULLABLE, ensure_default_model
+    from basert.models_dir import resolve_model
+
+    if spec is None or spec in PULLABLE:
+        path, converted = ensure_default_model(progress=ProgressBar("converting the default model"))
+        if converted:
+            print(f"installed the default model at {path}", file=sys.stderr)
+        return path
+    return resolve_model(spec)
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    import basert
+    from basert.chat.template import ChatTemplate
+
+    with basert.Model(model_path_for(args.model), max_context=args.max_context, threads=args.threads) as model:
+        prompt = args.prompt
+        if args.chat:
+            template_source = model.tokenizer.chat_template if model.tokenizer else None
+            if not template_source:
+                print("error: this model has no chat template", file=sys.stderr)
+                return 1
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": prompt})
+            template = ChatTemplate(template_source, bos_token=model.tokenizer.bos_token or "",
+                                    eos_token=model.tokenizer.eos_token or "")
+            prompt = template.render(messages, add_generation_prompt=True)
+
+        def show(token_id: int, text: str) -> bool:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return True
+
+        stats = model.generate(prompt, max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k,
+                               top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                               seed=args.seed, callback=show)
+        if stats.text and not stats.text.endswith("\n"):
+            sys.stdout.write("\n")
+        print(
+            f"[{stats.prompt_tokens} prompt tokens, {stats.prefill_tokens_per_second:.1f} t/s prefill; "
+            f"{stats.generated_tokens} generated, {stats.decode_tokens_per_second:.1f} t/s decode; "
+            f"finish: {stats.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("complete", help="generate a completion for a prompt",
+                       description="Generate text for a prompt with a .base model. MODEL is a .base "
+                       "file, an installed id (org/name[:variant]) or 'smollm2' (the default, "
+                       "converted on first use). Sampling is greedy unless --temp > 0.")
+    p.add_argument("model", nargs="?", help="a .base file or installed model id (default: smollm2)")
+    p.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="llama.cpp-style repetition penalty")
+    p.add_argument("--seed", type=int, help="random seed for reproducible sampling")
+    p.add_argument("--max-context", type=int, default=4096, help="context window (default 4096)")
+    p.add_argument("--threads", "-t", type=int, help="engine threads (default: all cores)")
+    p.set_defaults(func=cmd_complete)

@@ -1,0 +1,1 @@
+"""The synchronous engine: model loading, forward passes, KV blocks, recurrent state, sampling."""

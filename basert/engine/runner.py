@@ -1,0 +1,164 @@
+"""ModelRunner: opens a .base file, owns the KV blocks and workspaces, and runs forwards over batches of sequences.
+
+It only computes: callers (the Python API, later the actor's scheduler) decide what to run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+import xxhash
+
+from basert._ext import matmul as mm
+from basert.engine.kv import BlockPool, BlockTable, KVCache, blocks_for
+from basert.engine.sequence import RecurrentState, SequenceState
+from basert.format import BaseFile
+from basert.models import build_model
+from basert.models.layers import Batch, BatchItem, Weights, Workspace
+
+LogitsWanted = Literal["last", "all", "none"]
+
+
+class ContextOverflowError(ValueError):
+    """A sequence would grow past the context window."""
+
+    def __init__(self, n_tokens: int, n_ctx: int):
+        super().__init__(f"{n_tokens} tokens exceed the context window of {n_ctx}")
+        self.n_tokens = n_tokens
+        self.n_ctx = n_ctx
+
+
+@dataclass(slots=True)
+class ForwardRequest:
+    """New tokens for one sequence, and which of their positions need logits."""
+
+    sequence: SequenceState
+    tokens: Sequence[int]
+    logits: LogitsWanted = "last"
+
+
+def model_fingerprint(path: Path) -> str:
+    """xxh64 of the .base header: it names the architecture, config and every tensor's checksum."""
+    with path.open("rb") as handle:
+        prefix = handle.read(16)
+        header_len = int.from_bytes(prefix[8:16], "little")
+        return xxhash.xxh64(prefix + handle.read(header_len)).hexdigest()
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class ModelRunner:
+    """Weights (mmap), forward pass, KV pool; one instance per loaded model."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_context: int = 4096,
+        max_sequences: int = 1,
+        kv_dtype: type = np.float32,
+        kv_blocks: int | None = None,
+        threads: int | None = None,
+    ):
+        self.base = BaseFile(path)
+        self.fingerprint = model_fingerprint(Path(path))
+        self.arch = self.base.arch
+        self.config = self.base.config
+        self.max_context = max_context
+        mm.set_num_threads(threads or default_threads())
+        self.model = build_model(Weights(self.base), self.arch, self.config, max_context)
+        layer_types = self.config.get("layer_types") or ["full_attention"] * self.config["num_hidden_layers"]
+        self.n_attention_layers = sum(1 for kind in layer_types if kind == "full_attention")
+        self.n_linear_layers = len(layer_types) - self.n_attention_layers
+        self.max_blocks_per_sequence = blocks_for(max_context)
+        n_blocks = kv_blocks if kv_blocks is not None else max_sequences * self.max_blocks_per_sequence
+        self.pool = BlockPool(n_blocks)
+        self.kv = KVCache(self.n_attention_layers, n_blocks, self.config["num_key_value_heads"],
+                          self.config["head_dim"], kv_dtype)
+        self.workspace = Workspace()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    def new_sequence(self) -> SequenceState:
+        """An empty sequence with its own block table and (for hybrids) recurrent state."""
+        recurrent = None
+        if self.n_linear_layers:
+            c = self.config
+            conv_dim = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + \
+                c["linear_num_value_heads"] * c["linear_value_head_dim"]
+            recurrent = RecurrentState(self.n_linear_layers, conv_dim, c["linear_conv_kernel_dim"],
+                                       c["linear_num_value_heads"], c["linear_key_head_dim"],
+                                       c["linear_value_head_dim"])
+        return SequenceState(BlockTable(self.max_blocks_per_sequence), recurrent, [])
+
+    def rewind(self, sequence: SequenceState, n_tokens: int) -> None:
+        """Keep only the first n_tokens of a sequence (attention-only models: KV can be truncated)."""
+        if sequence.recurrent is not None and n_tokens != sequence.n_past:
+            raise ValueError("a recurrent (DeltaNet) state cannot be rewound; reset the sequence instead")
+        sequence.block_table.truncate(n_tokens, self.pool)
+        del sequence.tokens[n_tokens:]
+
+    def release(self, sequence: SequenceState) -> None:
+        """Return a sequence's blocks to the pool and clear its state."""
+        sequence.reset(self.pool)
+
+    def forward(self, requests: list[ForwardRequest]) -> list[np.ndarray | None]:
+        """Append each request's tokens to its sequence; logits [n, vocab] per request as asked.
+
+        On an exception the sequences in this call are left inconsistent: reset them.
+        """
+        for request in requests:
+            n_new = len(request.tokens)
+            if n_new == 0:
+                raise ValueError("a forward request needs at least one token")
+            end = request.sequence.n_past + n_new
+            if end > self.max_context:
+                raise ContextOverflowError(end, self.max_context)
+            ids = np.asarray(request.tokens)
+            if ids.min() < 0 or ids.max() >= self.vocab_size:
+                raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        items = []
+        token_chunks = []
+        position_chunks = []
+        logit_rows = []
+        row = 0
+        for request in requests:
+            seq = request.sequence
+            n_new = len(request.tokens)
+            end = seq.n_past + n_new
+            seq.block_table.ensure(end, self.pool)
+            recurrent = seq.recurrent
+            items.append(BatchItem(row, n_new, seq.n_past, seq.block_table.view(),
+                                   recurrent.conv if recurrent else None,
+                                   recurrent.ssm if recurrent else None))
+            token_chunks.append(np.asarray(request.tokens, dtype=np.int32))
+            position_chunks.append(np.arange(seq.n_past, end, dtype=np.int32))
+            if request.logits == "last":
+                logit_rows.append(np.array([row + n_new - 1]))
+            elif request.logits == "all":
+                logit_rows.append(np.arange(row, row + n_new))
+            row += n_new
+        tokens = np.concatenate(token_chunks) if len(token_chunks) > 1 else token_chunks[0]
+        positions = np.concatenate(position_chunks) if len(position_chunks) > 1 else position_chunks[0]
+        rows = np.concatenate(logit_rows).astype(np.int64) if logit_rows else np.zeros(0, dtype=np.int64)
+        batch = Batch(items, tokens, positions)
+        logits = self.model.forward(batch, self.kv, self.workspace, rows)
+        results: list[np.ndarray | None] = []
+        used = 0
+        for request in requests:
+            request.sequence.tokens.extend(int(t) for t in request.tokens)
+            count = {"last": 1, "all": len(request.tokens), "none": 0}[request.logits]
+            results.append(logits[used: used + count] if count else None)
+            used += count
+        return results
+
+    def close(self) -> None:
+        self.base.close()

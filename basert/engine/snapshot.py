@@ -1,0 +1,166 @@
+"""Slot snapshots: one lane's tokens, the KV of its used positions and its recurrent state, in one file.
+
+Layout (little-endian): magic `BSLT`, u32 version (1), u32 header length, UTF-8 JSON header, then
+int32 token ids, per attention layer K then V as [n_tokens, n_kv_heads, head_dim] in the cache's
+element type, then (hybrids) the float32 conv and ssm states, then the checkpoint's if any.
+A restore validates every length, the version and the model fingerprint before touching the lane.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from basert.engine.engine import Checkpoint, Lane
+from basert.engine.kv import BLOCK_SIZE
+from basert.engine.runner import ModelRunner
+
+MAGIC = b"BSLT"
+VERSION = 1
+PREFIX = struct.Struct("<4sII")
+MAX_HEADER = 1 << 20
+
+
+class SnapshotError(ValueError):
+    """A snapshot file cannot be restored into this model: the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    n_tokens: int
+    n_bytes: int
+
+
+def _kv_positions(cache: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
+    """[n, n_kv_heads, head_dim] values of positions 0..n-1 gathered through a block table."""
+    gathered = cache[blocks]                          # [nb, H, 16, d]
+    return gathered.transpose(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:n]
+
+
+def _header(runner: ModelRunner, lane: Lane) -> dict:
+    seq = lane.sequence
+    recurrent = seq.recurrent
+    return {
+        "fingerprint": runner.fingerprint,
+        "arch": runner.arch,
+        "n_tokens": seq.n_past,
+        "kv_dtype": str(runner.kv.k[0].dtype) if runner.kv.k else "float32",
+        "n_attention_layers": runner.n_attention_layers,
+        "n_kv_heads": runner.config["num_key_value_heads"],
+        "head_dim": runner.config["head_dim"],
+        "conv_shape": list(recurrent.conv.shape) if recurrent is not None else None,
+        "ssm_shape": list(recurrent.ssm.shape) if recurrent is not None else None,
+        "checkpoint_tokens": lane.checkpoint.n_tokens if (recurrent is not None and lane.checkpoint) else None,
+    }
+
+
+def save_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
+    """Write the lane's state to `path` atomically; returns what was written."""
+    seq = lane.sequence
+    header = _header(runner, lane)
+    encoded = json.dumps(header).encode()
+    n = seq.n_past
+    blocks = seq.block_table.view()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(PREFIX.pack(MAGIC, VERSION, len(encoded)))
+            out.write(encoded)
+            out.write(np.asarray(seq.tokens, dtype=np.int32).tobytes())
+            for layer in range(runner.n_attention_layers):
+                out.write(np.ascontiguousarray(_kv_positions(runner.kv.k[layer], blocks, n)).tobytes())
+                out.write(np.ascontiguousarray(_kv_positions(runner.kv.v[layer], blocks, n)).tobytes())
+            if seq.recurrent is not None:
+                out.write(seq.recurrent.conv.tobytes())
+                out.write(seq.recurrent.ssm.tobytes())
+                if header["checkpoint_tokens"] is not None:
+                    out.write(lane.checkpoint.state.conv.tobytes())
+                    out.write(lane.checkpoint.state.ssm.tobytes())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return SnapshotInfo(n, path.stat().st_size)
+
+
+def restore_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
+    """Replace the lane's state with a snapshot; the file is fully validated first."""
+    data = path.read_bytes()
+    if len(data) < PREFIX.size:
+        raise SnapshotError(f"snapshot is truncated ({len(data)} bytes)")
+    magic, version, header_len = PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise SnapshotError("not a slot snapshot (bad magic)")
+    if version != VERSION:
+        raise SnapshotError(f"snapshot version {version} is not supported (only {VERSION})")
+    if header_len > MAX_HEADER or PREFIX.size + header_len > len(data):
+        raise SnapshotError("snapshot header runs past the end of the file")
+    try:
+        header = json.loads(data[PREFIX.size: PREFIX.size + header_len])
+        n = int(header["n_tokens"])
+        fingerprint = header["fingerprint"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SnapshotError(f"snapshot header is invalid: {exc}") from exc
+    if fingerprint != runner.fingerprint:
+        raise SnapshotError("snapshot was saved from a different model")
+    expected = _header(runner, lane)
+    for key in ("n_attention_layers", "n_kv_heads", "head_dim", "kv_dtype", "conv_shape", "ssm_shape"):
+        if header.get(key) != expected[key]:
+            raise SnapshotError(f"snapshot {key} {header.get(key)!r} does not match this server's {expected[key]!r}")
+    if not 0 <= n <= runner.max_context:
+        raise SnapshotError(f"snapshot holds {n} tokens; the context window is {runner.max_context}")
+    checkpoint_tokens = header.get("checkpoint_tokens")
+    if checkpoint_tokens is not None and not (isinstance(checkpoint_tokens, int) and 0 <= checkpoint_tokens <= n):
+        raise SnapshotError("snapshot checkpoint position is invalid")
+    kv_dtype = np.dtype(expected["kv_dtype"])
+    kv_values = n * expected["n_kv_heads"] * expected["head_dim"]
+    recurrent_values = 0
+    if expected["conv_shape"] is not None:
+        recurrent_values = int(np.prod(expected["conv_shape"]) + np.prod(expected["ssm_shape"]))
+    n_states = (1 + (checkpoint_tokens is not None)) if recurrent_values else 0
+    offset = PREFIX.size + header_len
+    size = 4 * n + 2 * runner.n_attention_layers * kv_values * kv_dtype.itemsize + 4 * recurrent_values * n_states
+    if len(data) - offset != size:
+        raise SnapshotError(f"snapshot payload is {len(data) - offset} bytes; {size} expected")
+    tokens = np.frombuffer(data, dtype=np.int32, count=n, offset=offset)
+    if n and (tokens.min() < 0 or tokens.max() >= runner.vocab_size):
+        raise SnapshotError("snapshot token ids are outside the vocabulary")
+    offset += 4 * n
+
+    seq = lane.sequence
+    runner.release(seq)
+    lane.checkpoint = None
+    seq.block_table.ensure(n, runner.pool)
+    blocks = seq.block_table.view()
+    shape = (expected["n_kv_heads"], expected["head_dim"])
+    padded = len(blocks) * BLOCK_SIZE
+    for layer in range(runner.n_attention_layers):
+        for cache in (runner.kv.k[layer], runner.kv.v[layer]):
+            values = np.frombuffer(data, dtype=kv_dtype, count=kv_values, offset=offset).reshape(n, *shape)
+            offset += kv_values * kv_dtype.itemsize
+            full = np.zeros((padded, *shape), dtype=kv_dtype)
+            full[:n] = values
+            cache[blocks] = full.reshape(len(blocks), BLOCK_SIZE, *shape).transpose(0, 2, 1, 3)
+    if seq.recurrent is not None:
+        offset = _read_state(data, offset, seq.recurrent.conv, seq.recurrent.ssm)
+        if checkpoint_tokens is not None:
+            state = seq.recurrent.clone()
+            _read_state(data, offset, state.conv, state.ssm)
+            lane.checkpoint = Checkpoint(checkpoint_tokens, state)
+    seq.tokens[:] = tokens.tolist()
+    return SnapshotInfo(n, len(data))
+
+
+def _read_state(data: bytes, offset: int, conv: np.ndarray, ssm: np.ndarray) -> int:
+    for target in (conv, ssm):
+        target[...] = np.frombuffer(data, dtype=np.float32, count=target.size, offset=offset).reshape(target.shape)
+        offset += 4 * target.size
+    return offset

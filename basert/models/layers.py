@@ -1,0 +1,194 @@
+"""Building blocks shared by the architectures: weights from a .base file, norms, attention, MLPs.
+
+Every block works on a flat activation matrix [T, D] holding the new tokens of all sequences in
+the batch; attention and DeltaNet walk the batch items for their per-sequence state. Scratch
+arrays come from a Workspace so that decoding allocates no array data per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from basert._ext import attention as attn_ext
+from basert._ext import matmul as mm
+from basert._ext import norm, ops
+from basert.format import BaseFile
+
+
+class Workspace:
+    """Named scratch arrays that grow to the largest row count seen and are reused."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, rows: int, *shape: int) -> np.ndarray:
+        """A [rows, *shape] float32 view of the scratch array `name` (contents undefined)."""
+        array = self.arrays.get(name)
+        if array is None or array.shape[0] < rows or array.shape[1:] != shape:
+            array = np.empty((max(rows, 1), *shape), dtype=np.float32)
+            self.arrays[name] = array
+        return array[:rows]
+
+
+class Weights:
+    """Zero-copy kernel views of a .base file's tensors."""
+
+    def __init__(self, base: BaseFile):
+        self.base = base
+
+    def has(self, name: str) -> bool:
+        return name in self.base.tensors
+
+    def matrix(self, name: str) -> mm.Weight:
+        """A weight matrix [N, K] (a 3-D [E, N, K] stack becomes [E*N, K])."""
+        info = self.base.tensors[name]
+        shape = info.array_shape
+        n, k = int(np.prod(shape[:-1])), int(shape[-1])
+        if info.is_quantized:
+            return mm.Weight(info.dtype, n, k, self.base.packed(name), self.base.scales(name),
+                             self.base.biases(name), info.group_size, info.scale_dtype or "f16")
+        return mm.Weight(info.dtype, n, k, self.base.payload(name))
+
+    def experts(self, name: str) -> list[mm.Weight]:
+        """One [N, K] weight per expert of an [E, N, K] stack, sharing the file's bytes."""
+        experts, rows = self.base.tensors[name].array_shape[:2]
+        stacked = self.matrix(name)
+        return [stacked.rows(e * rows, (e + 1) * rows) for e in range(experts)]
+
+    def vector(self, name: str) -> np.ndarray:
+        """A small tensor as a contiguous float32 array (norm weights, gates, conv kernels)."""
+        return np.ascontiguousarray(self.base.dequantize(name), dtype=np.float32)
+
+
+class KVTensors(Protocol):
+    """Per attention layer K and V arrays [n_blocks, n_kv_heads, 16, head_dim] (owned by the engine)."""
+
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+
+
+@dataclass(slots=True)
+class BatchItem:
+    """One sequence's slice of the flat token batch, with views of its state (owned by the engine)."""
+
+    row: int                          # first row of this sequence in the [T, D] activations
+    length: int                       # new tokens in this forward
+    start: int                        # position of the first new token
+    block_table: np.ndarray           # int32 block ids covering positions [0, start + length)
+    conv_state: np.ndarray | None     # [n_linear_layers, conv_dim, K-1] float32, hybrids only
+    ssm_state: np.ndarray | None      # [n_linear_layers, n_v, d_k, d_v] float32, hybrids only
+
+
+@dataclass(slots=True)
+class Batch:
+    items: list[BatchItem]
+    tokens: np.ndarray      # int32 [T]
+    positions: np.ndarray   # int32 [T]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class RMSNorm:
+    def __init__(self, weights: Weights, name: str, eps: float):
+        self.weight = weights.vector(name)
+        self.eps = eps
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return norm.rmsnorm(x, self.weight, self.eps, out)
+
+
+class Linear:
+    def __init__(self, weights: Weights, name: str):
+        self.weight = weights.matrix(name)
+        self.n_out = self.weight.n
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        mm.matmul(x, self.weight, out)
+        return out
+
+
+class RopeTables:
+    """cos/sin tables for positions [0, max_pos) and the first rotary_dim dims of a head."""
+
+    def __init__(self, theta: float, rotary_dim: int, max_pos: int, interleaved: bool):
+        self.cos, self.sin = ops.rope_tables(theta, rotary_dim, max_pos)
+        self.interleaved = interleaved
+        self.max_pos = max_pos
+
+    def apply(self, x: np.ndarray, positions: np.ndarray) -> None:
+        ops.rope(x, positions, self.cos, self.sin, self.interleaved)
+
+
+class Attention:
+    """Causal GQA attention over the paged KV cache; optional per-head q/k norm and output gate."""
+
+    def __init__(self, weights: Weights, prefix: str, config: dict, kv_layer: int, rope: RopeTables,
+                 *, qk_norm: bool, output_gate: bool):
+        self.n_heads = config["num_attention_heads"]
+        self.n_kv = config["num_key_value_heads"]
+        self.head_dim = config["head_dim"]
+        self.eps = config["rms_norm_eps"]
+        self.q_proj = Linear(weights, f"{prefix}.q_proj.weight")
+        self.k_proj = Linear(weights, f"{prefix}.k_proj.weight")
+        self.v_proj = Linear(weights, f"{prefix}.v_proj.weight")
+        self.o_proj = Linear(weights, f"{prefix}.o_proj.weight")
+        self.q_norm = weights.vector(f"{prefix}.q_norm.weight") if qk_norm else None
+        self.k_norm = weights.vector(f"{prefix}.k_norm.weight") if qk_norm else None
+        self.output_gate = output_gate
+        self.kv_layer = kv_layer
+        self.rope = rope
+        self.scale = float(self.head_dim) ** -0.5
+
+    def __call__(self, h: np.ndarray, batch: Batch, kv: KVTensors, ws: Workspace, out: np.ndarray) -> np.ndarray:
+        t, hd = h.shape[0], self.head_dim
+        q = ws.get("attn.q", t, self.n_heads, hd)
+        if self.output_gate:
+            # q_proj rows are per head [query | gate]: split into contiguous q and gate.
+            qg = self.q_proj(h, ws.get("attn.qg", t, self.n_heads * 2 * hd)).reshape(t, self.n_heads, 2 * hd)
+            np.copyto(q, qg[:, :, :hd])
+            gate = ws.get("attn.gate", t, self.n_heads * hd)
+            np.copyto(gate.reshape(t, self.n_heads, hd), qg[:, :, hd:])
+        else:
+            self.q_proj(h, q.reshape(t, self.n_heads * hd))
+        k = ws.get("attn.k", t, self.n_kv, hd)
+        v = ws.get("attn.v", t, self.n_kv, hd)
+        self.k_proj(h, k.reshape(t, self.n_kv * hd))
+        self.v_proj(h, v.reshape(t, self.n_kv * hd))
+        if self.q_norm is not None:
+            ops.rmsnorm_heads(q, self.q_norm, self.eps)
+            ops.rmsnorm_heads(k, self.k_norm, self.eps)
+        self.rope.apply(q, batch.positions)
+        self.rope.apply(k, batch.positions)
+        attn = ws.get("attn.out", t, self.n_heads, hd)
+        k_cache, v_cache = kv.k[self.kv_layer], kv.v[self.kv_layer]
+        for item in batch.items:
+            rows = slice(item.row, item.row + item.length)
+            table = item.block_table
+            attn_ext.kv_write(k_cache, v_cache, k[rows], v[rows], table, item.start)
+            attn_ext.attention(q[rows], k_cache, v_cache, table, item.start, self.scale, attn[rows])
+        flat = attn.reshape(t, self.n_heads * hd)
+        if self.output_gate:
+            ops.sigmoid_mul(flat, gate)
+        return self.o_proj(flat, out)
+
+
+class MLP:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, weights: Weights, prefix: str):
+        self.gate_proj = Linear(weights, f"{prefix}.gate_proj.weight")
+        self.up_proj = Linear(weights, f"{prefix}.up_proj.weight")
+        self.down_proj = Linear(weights, f"{prefix}.down_proj.weight")
+        self.hidden = self.gate_proj.n_out
+
+    def __call__(self, h: np.ndarray, ws: Workspace, out: np.ndarray, tag: str = "mlp") -> np.ndarray:
+        t = h.shape[0]
+        gate = self.gate_proj(h, ws.get(f"{tag}.gate", t, self.hidden))
+        up = self.up_proj(h, ws.get(f"{tag}.up", t, self.hidden))
+        ops.silu_mul(gate, up, gate)
+        return self.down_proj(gate, out)

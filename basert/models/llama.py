@@ -1,0 +1,51 @@
+"""Llama (SmolLM2): pre-norm residual blocks of GQA attention with RoPE and a SwiGLU MLP.
+
+    h = x + attn(rmsnorm(x));  x' = h + mlp(rmsnorm(h))
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from basert.models.layers import MLP, Attention, Batch, KVTensors, RMSNorm, RopeTables, Weights, Workspace
+from basert.models.transformer import DecoderModel
+
+
+class DecoderLayer:
+    """Attention then a feed-forward block (dense MLP or MoE), each with a pre-norm and a residual."""
+
+    def __init__(self, weights: Weights, layer: int, config: dict, mixer, feed_forward):
+        eps = config["rms_norm_eps"]
+        self.input_norm = RMSNorm(weights, f"layers.{layer}.input_norm.weight", eps)
+        self.post_attn_norm = RMSNorm(weights, f"layers.{layer}.post_attn_norm.weight", eps)
+        self.mixer = mixer
+        self.feed_forward = feed_forward
+        self.hidden = config["hidden_size"]
+
+    def __call__(self, x: np.ndarray, batch: Batch, kv: KVTensors, ws: Workspace) -> None:
+        t = x.shape[0]
+        h = self.input_norm(x, ws.get("layer.h", t, self.hidden))
+        delta = ws.get("layer.delta", t, self.hidden)
+        if isinstance(self.mixer, Attention):
+            self.mixer(h, batch, kv, ws, delta)
+        else:
+            self.mixer(h, batch, ws, delta)
+        np.add(x, delta, out=x)
+        h = self.post_attn_norm(x, h)
+        self.feed_forward(h, ws, delta)
+        np.add(x, delta, out=x)
+
+
+def rope_for(config: dict, max_pos: int) -> RopeTables:
+    return RopeTables(config["rope_theta"], config["rotary_dim"], max_pos,
+                      interleaved=config["rope_style"] == "interleaved")
+
+
+def build(weights: Weights, config: dict, max_pos: int) -> DecoderModel:
+    rope = rope_for(config, max_pos)
+    layers = []
+    for i in range(config["num_hidden_layers"]):
+        attention = Attention(weights, f"layers.{i}.self_attn", config, i, rope,
+                              qk_norm=config.get("qk_norm", False), output_gate=False)
+        layers.append(DecoderLayer(weights, i, config, attention, MLP(weights, f"layers.{i}.mlp")))
+    return DecoderModel(weights, config, layers)

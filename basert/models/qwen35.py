@@ -1,0 +1,35 @@
+"""Qwen3.5 / 3.6 hybrid and Qwen3-Next: Gated DeltaNet layers and gated full-attention layers.
+
+The layer pattern comes from config["layer_types"]. Full attention: per-head q/k norm, partial
+split-half RoPE, output multiplied by sigmoid(gate) from the second half of each q_proj head.
+The feed-forward block is a dense SwiGLU MLP or, in the MoE variants, the sparse MoE.
+"""
+
+from __future__ import annotations
+
+from basert.models.deltanet import GatedDeltaNet
+from basert.models.layers import MLP, Attention, Weights
+from basert.models.llama import DecoderLayer, rope_for
+from basert.models.moe import SparseMoE
+from basert.models.transformer import DecoderModel
+
+
+def build(weights: Weights, config: dict, max_pos: int) -> DecoderModel:
+    rope = rope_for(config, max_pos)
+    sparse_step = config.get("decoder_sparse_step", 1) or 1
+    dense_layers = set(config.get("mlp_only_layers", []))
+    layers = []
+    kv_layer = state_layer = 0
+    for i, kind in enumerate(config["layer_types"]):
+        if kind == "full_attention":
+            mixer = Attention(weights, f"layers.{i}.self_attn", config, kv_layer, rope,
+                              qk_norm=True, output_gate=config.get("attn_output_gate", True))
+            kv_layer += 1
+        else:
+            mixer = GatedDeltaNet(weights, f"layers.{i}.linear_attn", config, state_layer)
+            state_layer += 1
+        moe = (weights.has(f"layers.{i}.ffn_gate_exps.weight") and i not in dense_layers
+               and (i + 1) % sparse_step == 0)
+        feed_forward = SparseMoE(weights, i, config) if moe else MLP(weights, f"layers.{i}.mlp")
+        layers.append(DecoderLayer(weights, i, config, mixer, feed_forward))
+    return DecoderModel(weights, config, layers)

@@ -1,0 +1,1 @@
+"""HTTP layer: quart-trio app, schemas, auth, errors, SSE, metrics, files store."""

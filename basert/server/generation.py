@@ -1,0 +1,195 @@
+"""From a validated request to engine requests and back: prompt rendering, choices, responses, SSE chunks."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import trio
+
+from basert.actor.messages import Cancel, Done, Failed, Generate, Tokens
+from basert.engine.engine import GenerationRequest
+from basert.engine.runner import ContextOverflowError
+from basert.engine.sampler import SamplingParams, TokenLogprob
+from basert.server.catalog import ServedModel
+from basert.server.errors import ApiError, invalid
+from basert.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+@dataclass(slots=True)
+class ServerLimits:
+    default_max_tokens: int = 2048
+    request_timeout_ms: int = 0
+
+
+def sampling_params(body: SamplingFields, choice: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    seed = body.seed + choice if body.seed is not None and body.seed >= 0 else None
+    bias = {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
+    return SamplingParams(
+        temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+        repeat_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, logit_bias=bias, seed=seed,
+        logprobs=logprobs, top_logprobs=top_logprobs,
+    )
+
+
+def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int], max_tokens: int | None,
+                    limits: ServerLimits, *, logprobs: bool, top_logprobs: int, constraint_factory=None,
+                    id_prefix: str) -> list[GenerationRequest]:
+    """One GenerationRequest per choice (each with its own sampler seed and grammar matcher)."""
+    if len(prompt) + 1 > model.n_ctx:
+        raise ContextOverflowError(len(prompt), model.n_ctx)
+    if not prompt:
+        raise invalid("the prompt is empty", "prompt")
+    budget = max_tokens or limits.default_max_tokens
+    deadline = time.monotonic() + limits.request_timeout_ms / 1000 if limits.request_timeout_ms > 0 else None
+    requests = []
+    for choice in range(body.n):
+        params = sampling_params(body, choice, logprobs, top_logprobs)
+        params.validate(model.actor.engine.runner.vocab_size)
+        requests.append(GenerationRequest(
+            request_id=f"{id_prefix}-{choice}",
+            prompt=prompt,
+            max_tokens=budget,
+            sampling=params,
+            stop=tuple(body.stop or ()),
+            constraint=constraint_factory() if constraint_factory else None,
+            ignore_eos=body.ignore_eos,
+            deadline=deadline,
+        ))
+    return requests
+
+
+class ChoiceSet:
+    """The engine requests of one HTTP request (one per choice), their reply channels, and cleanup.
+
+    `close()` cancels every request that has not finished: handlers call it in a `finally`, so a
+    client that disconnects frees its lanes at once.
+    """
+
+    def __init__(self, model: ServedModel, requests: list[GenerationRequest]):
+        self.model = model
+        self.requests = requests
+        self.channels: list[trio.MemoryReceiveChannel] = []
+        self.finished = [False] * len(requests)
+
+    async def submit(self, slot_hint: int | None) -> None:
+        for index, request in enumerate(self.requests):
+            send, receive = trio.open_memory_channel(math.inf)
+            self.channels.append(receive)
+            await self.model.actor.mailbox.send(Generate(request, send, slot_hint if index == 0 else None))
+
+    async def replies(self, index: int) -> AsyncIterator[Tokens | Done]:
+        """Replies of one choice until it is done; a failure is raised."""
+        async for reply in self.channels[index]:
+            if isinstance(reply, Failed):
+                self.finished[index] = True
+                raise reply.error
+            if isinstance(reply, Done):
+                self.finished[index] = True
+            yield reply
+            if self.finished[index]:
+                return
+        if not self.finished[index]:
+            raise RuntimeError("the model stopped before the request finished")
+
+    def close(self) -> None:
+        for index, request in enumerate(self.requests):
+            if not self.finished[index]:
+                self.finished[index] = True
+                try:
+                    self.model.actor.mailbox.send_nowait(Cancel(request.request_id))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        for channel in self.channels:
+            channel.close()
+
+
+def usage_body(prompt_tokens: int, done_list: list[Done]) -> dict:
+    completion = sum(d.usage.completion_tokens for d in done_list)
+    cached = done_list[0].usage.cached_tokens if done_list else 0
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def timings_body(done_list: list[Done]) -> dict:
+    if not done_list:
+        return {}
+    first = done_list[0]
+    return first.timings.as_dict(first.usage.cached_tokens)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def token_piece(model: ServedModel, token_id: int) -> tuple[str, list[int]]:
+    raw = model.tokenizer.token_bytes(token_id) if model.tokenizer is not None else b""
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprobs(model: ServedModel, ids: list[int], logprobs: list[TokenLogprob | None]) -> dict:
+    content = []
+    for token_id, lp in zip(ids, logprobs):
+        if lp is None:
+            continue
+        text, raw = token_piece(model, token_id)
+        top = []
+        for alt_id, alt_lp in lp.top:
+            alt_text, alt_raw = token_piece(model, alt_id)
+            top.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
+        content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+    return {"content": content}
+
+
+def completion_logprobs(model: ServedModel, ids: list[int], logprobs: list[TokenLogprob | None],
+                        offset: int) -> dict:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    position = offset
+    for token_id, lp in zip(ids, logprobs):
+        text, _ = token_piece(model, token_id)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob if lp else None)
+        tops.append({token_piece(model, i)[0]: v for i, v in lp.top} if lp else None)
+        offsets.append(position)
+        position += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+def completion_prompts(model: ServedModel, body: CompletionRequest) -> list[list[int]]:
+    """The prompt(s) of a /v1/completions request as token lists."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [model.require_tokenizer().encode(prompt)]
+    if not prompt:
+        raise invalid("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [model.require_tokenizer().encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def max_tokens_of(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return body.max_completion_tokens
+    return body.max_tokens
+
+
+def check_prompt_ids(model: ServedModel, prompt: list[int]) -> None:
+    vocab = model.actor.engine.runner.vocab_size
+    if any(not 0 <= t < vocab for t in prompt):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value")

@@ -1,0 +1,62 @@
+"""A real `basert serve` subprocess on a free loopback port, for tests and tools."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """Starts `python -m basert serve MODEL --port P ...`; `stop()` sends SIGTERM and returns the exit code."""
+
+    def __init__(self, model: Path | str, *flags: str, log_path: Path, env: dict | None = None,
+                 startup_timeout: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = log_path.open("w")
+        full_env = dict(os.environ, **(env or {}))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "basert", "serve", str(model), "--port", str(self.port), *flags],
+            stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+        )
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.process.kill()
+        raise RuntimeError(f"server did not become healthy:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode

@@ -1,0 +1,172 @@
+"""Paged KV cache writes and causal GQA attention (basert._ext.attention) against a float64 numpy
+reference, for float32 and float16 caches, plus bit-identical results however a prompt is split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from basert._ext import attention as attn
+
+BLOCK = 16
+
+
+def f32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, scale: float) -> np.ndarray:
+    """q [T, H, d]; k, v [n_pos, H_kv, d] for every position; token t sees positions 0 .. start_pos + t."""
+    T, H, d = q.shape
+    group = H // k.shape[1]
+    out = np.empty((T, H, d))
+    for t in range(T):
+        n = start_pos + t + 1
+        for h in range(H):
+            scores = k[:n, h // group].astype(np.float64) @ q[t, h].astype(np.float64) * scale
+            p = np.exp(scores - scores.max())
+            out[t, h] = (p / p.sum()) @ v[:n, h // group].astype(np.float64)
+    return out
+
+
+def new_cache(n_blocks: int, n_kv: int, d: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros((n_blocks, n_kv, BLOCK, d), dtype=dtype), np.zeros((n_blocks, n_kv, BLOCK, d), dtype=dtype)
+
+
+def shuffled_blocks(rng: np.random.Generator, n_pos: int, n_blocks: int) -> np.ndarray:
+    """A block table for n_pos positions using non-contiguous, shuffled block ids."""
+    return rng.permutation(n_blocks)[: -(-n_pos // BLOCK)].astype(np.int32)
+
+
+def gather(cache: np.ndarray, block_table: np.ndarray, n_pos: int) -> np.ndarray:
+    """[n_pos, H_kv, d] view of the positions stored in a paged cache."""
+    p = np.arange(n_pos)
+    return cache[block_table[p // BLOCK], :, p % BLOCK, :]
+
+
+def run_chunks(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, chunks: list[int], block_table: np.ndarray, n_blocks: int, dtype: type
+) -> np.ndarray:
+    """Writes and attends a prompt chunk by chunk into fresh caches; returns the outputs of all tokens."""
+    k_cache, v_cache = new_cache(n_blocks, k.shape[1], k.shape[2], dtype)
+    outs, pos = [], 0
+    for n in chunks:
+        sl = slice(pos, pos + n)
+        attn.kv_write(k_cache, v_cache, f32(k[sl]), f32(v[sl]), block_table, pos)
+        out = np.empty_like(q[sl])
+        attn.attention(f32(q[sl]), k_cache, v_cache, block_table, pos, 0.125, out)
+        outs.append(out)
+        pos += n
+    return np.concatenate(outs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize(
+    "T,H,n_kv,d,start_pos",
+    [(1, 4, 2, 32, 0), (3, 9, 3, 64, 5), (17, 4, 2, 24, 40), (70, 9, 3, 64, 0), (5, 6, 6, 20, 33), (1, 4, 1, 13, 100)],
+)
+def test_attention_matches_reference(T: int, H: int, n_kv: int, d: int, start_pos: int, dtype: type) -> None:
+    rng = np.random.default_rng(T * 1000 + H * 100 + d + start_pos)
+    n_pos = start_pos + T
+    q = f32(rng.standard_normal((T, H, d)))
+    k = f32(rng.standard_normal((n_pos, n_kv, d)) * 2)
+    v = f32(rng.standard_normal((n_pos, n_kv, d)))
+    n_blocks = -(-n_pos // BLOCK) + 5
+    block_table = shuffled_blocks(rng, n_pos, n_blocks)
+    k_cache, v_cache = new_cache(n_blocks, n_kv, d, dtype)
+    if start_pos:
+        attn.kv_write(k_cache, v_cache, k[:start_pos], v[:start_pos], block_table, 0)
+    attn.kv_write(k_cache, v_cache, f32(k[start_pos:]), f32(v[start_pos:]), block_table, start_pos)
+    out = np.empty_like(q)
+    scale = d**-0.5
+    attn.attention(q, k_cache, v_cache, block_table, start_pos, scale, out)
+    # The reference sees what the cache holds: values rounded to float16 for a float16 cache.
+    stored_k, stored_v = k.astype(dtype), v.astype(dtype)
+    np.testing.assert_allclose(out, attention_reference(q, stored_k, stored_v, start_pos, scale), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("d", [7, 16, 20])
+def test_kv_write_stores_each_position_in_its_block_slot(dtype: type, d: int) -> None:
+    rng = np.random.default_rng(d)
+    n_kv, start_pos, T = 3, 13, 22
+    # Half-precision edge cases: subnormals, a rounding tie, the largest half, overflow to inf.
+    special = np.array([6e-8, -3e-6, 1 + 2**-11, 65504.0, 65519.0, 65520.0, -1e6, 0.0], dtype=np.float32)
+    k = f32(rng.standard_normal((T, n_kv, d)))
+    k.reshape(-1)[: special.size] = special
+    v = f32(rng.standard_normal((T, n_kv, d)))
+    block_table = np.array([4, 0, 2, 6], dtype=np.int32)
+    k_cache, v_cache = new_cache(7, n_kv, d, dtype)
+    attn.kv_write(k_cache, v_cache, k, v, block_table, start_pos)
+    with np.errstate(over="ignore"):
+        expected_k = k.astype(dtype)
+    assert np.array_equal(gather(k_cache, block_table, start_pos + T)[start_pos:], expected_k)
+    assert np.array_equal(gather(v_cache, block_table, start_pos + T)[start_pos:], v.astype(dtype))
+    # Nothing else was touched: earlier slots of block 4, and blocks outside the table.
+    assert not gather(k_cache, block_table, start_pos).any()
+    assert not k_cache[[1, 3, 5]].any() and not v_cache[[1, 3, 5]].any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_attention_is_bit_identical_however_the_prompt_is_split(dtype: type) -> None:
+    rng = np.random.default_rng(70)
+    n, H, n_kv, d = 70, 9, 3, 64
+    q, k, v = (f32(rng.standard_normal((n, h, d))) for h in (H, n_kv, n_kv))
+    whole = run_chunks(q, k, v, [70], shuffled_blocks(rng, n, 12), 12, dtype)
+    assert np.array_equal(run_chunks(q, k, v, [33, 37], shuffled_blocks(rng, n, 12), 12, dtype), whole)
+    assert np.array_equal(run_chunks(q, k, v, [1] * 70, shuffled_blocks(rng, n, 12), 12, dtype), whole)
+    assert np.array_equal(run_chunks(q, k, v, [5, 1, 64], np.arange(5, dtype=np.int32), 5, dtype), whole)
+
+
+def test_softmax_subtracts_the_max() -> None:
+    # Scores of several thousand would overflow exp without the shift; the top key must win outright.
+    d, n_pos = 32, 40
+    rng = np.random.default_rng(3)
+    k = f32(rng.standard_normal((n_pos, 1, d)))
+    v = f32(rng.standard_normal((n_pos, 1, d)))
+    q = f32(k[17:18] * 1000)
+    k_cache, v_cache = new_cache(3, 1, d, np.float32)
+    table = np.array([2, 0, 1], dtype=np.int32)
+    attn.kv_write(k_cache, v_cache, k, v, table, 0)
+    out = np.empty_like(q)
+    attn.attention(q, k_cache, v_cache, table, n_pos - 1, 1.0, out)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[0, 0], v[17, 0], rtol=1e-6, atol=1e-6)
+
+
+def test_kernels_reject_bad_tables_shapes_and_caches() -> None:
+    k_cache, v_cache = new_cache(4, 2, 8, np.float32)
+    kv = np.zeros((3, 2, 8), dtype=np.float32)
+    q, out = np.zeros((3, 4, 8), dtype=np.float32), np.zeros((3, 4, 8), dtype=np.float32)
+    table = np.array([0, 1], dtype=np.int32)
+    with pytest.raises(ValueError, match="block table has 2 blocks, 35 positions need 3"):
+        attn.kv_write(k_cache, v_cache, kv, kv, table, 32)
+    with pytest.raises(ValueError, match="block table has 2 blocks, 35 positions need 3"):
+        attn.attention(q, k_cache, v_cache, table, 32, 1.0, out)
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match=f"block table entry 1 is {bad}, the cache has 4 blocks"):
+            attn.attention(q, k_cache, v_cache, np.array([0, bad], dtype=np.int32), 14, 1.0, out)
+    with pytest.raises(ValueError, match="cannot share"):
+        attn.attention(np.zeros((3, 3, 8), np.float32), k_cache, v_cache, table, 0, 1.0, np.zeros_like(out[:, :3]))
+    with pytest.raises(ValueError, match="4 query heads cannot share 0 kv heads"):
+        attn.attention(q, *new_cache(4, 0, 8, np.float32), table, 0, 1.0, out)
+    with pytest.raises(ValueError, match="head dim"):
+        attn.attention(np.zeros((3, 4, 4), np.float32), k_cache, v_cache, table, 0, 1.0, np.zeros_like(out[..., :4]))
+    with pytest.raises(ValueError, match="out must have the shape of q"):
+        attn.attention(q, k_cache, v_cache, table, 0, 1.0, np.zeros((2, 4, 8), np.float32))
+    with pytest.raises(ValueError, match="the cache has"):
+        attn.kv_write(k_cache, v_cache, np.zeros((3, 1, 8), np.float32), np.zeros((3, 1, 8), np.float32), table, 0)
+    with pytest.raises(ValueError, match="start_pos"):
+        attn.kv_write(k_cache, v_cache, kv, kv, table, -1)
+    with pytest.raises(ValueError, match="float32 or float16"):
+        attn.kv_write(k_cache, v_cache.astype(np.float16), kv, kv, table, 0)
+    with pytest.raises(ValueError, match="float32 or float16"):
+        attn.attention(q, k_cache.astype(np.float64), v_cache.astype(np.float64), table, 0, 1.0, out)
+    with pytest.raises(ValueError, match="shape"):
+        attn.attention(q, k_cache[:, :, :8], v_cache[:, :, :8], table, 0, 1.0, out)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        attn.attention(q, k_cache[::2], v_cache[::2], table, 0, 1.0, out)
+    k_cache.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        attn.kv_write(k_cache, v_cache, kv, kv, table, 0)
+    attn.attention(q, k_cache, v_cache, table, 0, 1.0, out)

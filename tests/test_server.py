@@ -1,0 +1,248 @@
+"""The HTTP server end to end: a real `basert serve` on loopback, real SmolLM2 weights, httpx and openai clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import FIXTURES
+from server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("server")
+    proc = ServerProcess(smollm2_base, "--max-context", "512", "--files-dir", str(root / "files"),
+                         "--slot-save-path", str(root / "slots"), "--max-body-bytes", "200000",
+                         "--threads", "2", log_path=root / "server.log")
+    proc.root = root
+    yield proc
+    assert proc.stop() == 0, proc.log_text()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    data = json.loads((FIXTURES / "smollm2" / "reference.json").read_text())
+    return {p["name"]: p for p in data["prompts"]}
+
+
+def post(server: ServerProcess, path: str, body, **kwargs) -> httpx.Response:
+    if isinstance(body, (bytes, str)):
+        return httpx.post(server.url + path, content=body, timeout=120, **kwargs)
+    return httpx.post(server.url + path, json=body, timeout=120, **kwargs)
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[6:]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_health_models_tokenize(server: ServerProcess, reference: dict):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = httpx.get(server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["model"] or models["data"][0]["object"] == "model"
+    model_id = models["data"][0]["id"]
+    assert httpx.get(f"{server.url}/v1/models/{model_id}").json()["id"] == model_id
+    capital = reference["capital"]
+    tokens = post(server, "/v1/tokenize", {"content": capital["text"]}).json()["tokens"]
+    assert tokens == capital["input_ids"]
+    pieces = post(server, "/v1/tokenize", {"content": "Hello world", "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "Hello world"
+    assert post(server, "/v1/detokenize", {"tokens": tokens}).json()["content"] == capital["text"]
+
+
+def test_completion_matches_reference_greedy(server: ServerProcess, reference: dict):
+    capital = reference["capital"]
+    body = {"prompt": capital["text"], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    result = post(server, "/v1/completions", body).json()
+    ids = post(server, "/v1/tokenize", {"content": result["choices"][0]["text"]}).json()["tokens"]
+    assert ids == capital["greedy"][: len(ids)]
+    assert result["usage"]["prompt_tokens"] == len(capital["input_ids"])
+    assert result["usage"]["completion_tokens"] == 16
+    assert set(result["timings"]) >= {"prompt_n", "prompt_ms", "predicted_n", "predicted_per_second", "cache_n"}
+    by_ids = post(server, "/v1/completions", {**body, "prompt": capital["input_ids"]}).json()
+    assert by_ids["choices"][0]["text"] == result["choices"][0]["text"]
+    assert by_ids["usage"]["prompt_tokens_details"]["cached_tokens"] == len(capital["input_ids"]) - 1
+    echoed = post(server, "/v1/completions", {**body, "echo": True, "max_tokens": 4}).json()
+    assert echoed["choices"][0]["text"].startswith(capital["text"])
+    full_text = result["choices"][0]["text"]
+    stop = full_text[len(full_text) // 2: len(full_text) // 2 + 3]
+    stopped = post(server, "/v1/completions", {**body, "stop": [stop]}).json()
+    assert stopped["choices"][0]["text"] == full_text[: full_text.index(stop)]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_stream_and_non_stream_give_the_same_text(server: ServerProcess):
+    body = {"messages": [{"role": "system", "content": "You are terse."},
+                         {"role": "user", "content": "Name three colors."}],
+            "max_tokens": 24, "temperature": 0}
+    whole = post(server, "/v1/chat/completions", body).json()
+    text = whole["choices"][0]["message"]["content"]
+    assert text and whole["object"] == "chat.completion"
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+    assert streamed == text
+    usage = [e for e in events[:-1] if not e["choices"]][0]["usage"]
+    assert usage["completion_tokens"] == whole["usage"]["completion_tokens"]
+
+
+def test_n_choices_and_seeded_sampling(server: ServerProcess):
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2}
+    first = post(server, "/v1/completions", body).json()
+    second = post(server, "/v1/completions", body).json()
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in second["choices"]]
+    assert [c["index"] for c in first["choices"]] == [0, 1]
+
+
+def test_openai_client(server: ServerProcess):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    chat = client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="model", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0,
+        stream=True) if c.choices]
+    assert "".join(pieces) == chat.choices[0].message.content
+    completion = client.completions.create(model="model", prompt="The sky is", max_tokens=6, temperature=0)
+    assert completion.choices[0].text
+    tools = [{"type": "function", "function": {"name": "lookup_key", "description": "Look up a key",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"key": {"type": "string"}},
+                                                               "required": ["key"]}}}]
+    with_tools = client.chat.completions.create(
+        model="model", messages=[{"role": "user", "content": "Call lookup_key with key seq-1."}],
+        tools=tools, max_tokens=40, temperature=0)
+    assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_bad_requests_get_their_envelope_and_the_server_stays_up(server: ServerProcess):
+    chat = "/v1/chat/completions"
+    r = post(server, chat, b"{not json")
+    assert r.status_code == 400 and error_of(r)["type"] == "invalid_request_error"
+    r = post(server, chat, {"messages": []})
+    assert r.status_code == 400 and error_of(r)["param"] == "messages"
+    r = post(server, chat, {"messages": [{"role": "user", "content": "hi"}], "temperature": 7})
+    assert r.status_code == 400 and error_of(r)["param"] == "temperature"
+    r = post(server, chat, {"model": "no/such-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
+    r = post(server, "/v1/completions", {"prompt": "word " * 600})
+    error = error_of(r)
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["n_ctx"] == 512 and error["n_prompt_tokens"] > 512
+    r = post(server, "/v1/completions", {"prompt": "x" * 300000})
+    assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
+    r = httpx.get(server.url + "/v2/nothing")
+    assert r.status_code == 404 and error_of(r)["code"] == "route_not_found"
+    r = post(server, "/v1/completions", {"prompt": [10**9]})
+    assert r.status_code == 400
+    r = post(server, "/v1/detokenize", {"tokens": [-1]})
+    assert r.status_code == 400
+    r = post(server, chat, {"messages": [{"role": "wizard", "content": "hi"}]})
+    assert r.status_code == 400
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_slot_save_erase_restore_reproduces_the_request(server: ServerProcess):
+    body = {"prompt": "The three primary colors are", "max_tokens": 10, "temperature": 0}
+    first = post(server, "/v1/completions", body).json()
+    saved = post(server, "/slots/0/save", {})
+    assert saved.status_code == 200, saved.text
+    saved = saved.json()
+    assert saved["file_id"].startswith("file-") and saved["n_saved"] > 0
+    assert post(server, "/slots/0/erase", {}).json()["n_erased"] == saved["n_saved"]
+    assert httpx.get(server.url + "/slots").json()[0]["cache_tokens"] == 0
+    restored = post(server, "/slots/0/restore", {"file_id": saved["file_id"]}).json()
+    assert restored["n_restored"] == saved["n_saved"]
+    again = post(server, "/v1/completions", body).json()
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] - 1
+    listed = httpx.get(server.url + "/v1/files").json()["data"]
+    assert saved["file_id"] in [f["id"] for f in listed]
+
+
+def test_slot_errors(server: ServerProcess):
+    r = post(server, "/slots/7/save", {})
+    assert r.status_code == 404 and error_of(r)["code"] == "slot_not_found"
+    r = post(server, "/slots/abc/erase", {})
+    assert r.status_code == 400
+    garbage = httpx.post(server.url + "/v1/files", files={"file": ("junk.bin", b"BSLT" + os.urandom(200))},
+                         data={"purpose": "slot_snapshot"}).json()
+    r = post(server, "/slots/0/restore", {"file_id": garbage["id"]})
+    assert r.status_code == 400
+    assert httpx.get(server.url + "/slots").json()[0]["cache_tokens"] == 0
+    r = post(server, "/slots/0/restore", {"file_id": "file-" + "0" * 24})
+    assert r.status_code == 404 and error_of(r)["code"] == "file_not_found"
+    slots_dir = server.root / "slots"
+    outside = server.root / "outside.bin"
+    outside.write_bytes(b"x")
+    (slots_dir / "link.bin").symlink_to(outside)
+    for name in ("../x", "a/b", "link.bin", ".."):
+        r = post(server, "/slots/0?action=save", {"filename": name})
+        assert r.status_code == 400, name
+    r = post(server, "/slots/0?action=jump", {"filename": "ok.bin"})
+    assert r.status_code == 400
+    post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    saved = post(server, "/slots/0?action=save", {"filename": "ok.bin"}).json()
+    assert saved["n_saved"] > 0 and (slots_dir / "ok.bin").is_file()
+    restored = post(server, "/slots/0?action=restore", {"filename": "ok.bin"}).json()
+    assert restored["n_restored"] == saved["n_saved"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_client_disconnect_frees_the_slot(server: ServerProcess):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={"prompt": "Write a long story.", "max_tokens": 400, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        if not httpx.get(server.url + "/slots").json()[0]["is_processing"]:
+            break
+        time.sleep(0.05)
+    assert not httpx.get(server.url + "/slots").json()[0]["is_processing"]
+
+
+def test_metrics_and_access_log(server: ServerProcess):
+    text = httpx.get(server.url + "/metrics").text
+    assert 'basert_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert "basert_generated_tokens_total" in text
+    assert "basert_busy_slots" in text
+    assert "POST /v1/completions 200 model=" in server.log_text()
+
+
+def test_api_keys(smollm2_base: Path, tmp_path: Path):
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("second-key\n")
+    proc = ServerProcess(smollm2_base, "--max-context", "256", "--api-key", "first-key", "--api-key-file",
+                         str(keyfile), log_path=tmp_path / "log")
+    try:
+        assert httpx.get(proc.url + "/health").status_code == 200
+        r = httpx.get(proc.url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(proc.url + "/v1/models", headers={"Authorization": "Bearer first-key"}).status_code == 200
+        assert httpx.get(proc.url + "/v1/models", headers={"X-Api-Key": "second-key"}).status_code == 200
+        assert httpx.get(proc.url + "/slots", headers={"X-Api-Key": "wrong"}).status_code == 401
+    finally:
+        assert proc.stop() == 0

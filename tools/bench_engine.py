@@ -1,0 +1,56 @@
+"""Engine benchmark: pp128, pp512 and tg128 tokens/s plus peak RSS for one model; a table and JSON.
+
+    python tools/bench_engine.py [MODEL] [--threads 2] [--repetitions 3] [--json bench_engine.json]
+
+MODEL is a .base file or installed model id; default: the SmolLM2 default model (converted on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+from pathlib import Path
+
+from basert import __version__
+from basert.cli.bench import markdown_table, run_bench
+from basert.cli.generate import model_path_for
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", help=".base file or installed model id (default: smollm2)")
+    parser.add_argument("--threads", "-t", type=int, default=None, help="engine threads (default: all cores)")
+    parser.add_argument("--repetitions", "-r", type=int, default=3)
+    parser.add_argument("--warmup", "-w", type=int, default=1)
+    parser.add_argument("--kv-bits", type=int, choices=(16, 32), default=16)
+    parser.add_argument("--json", type=Path, default=Path("bench_engine.json"), help="where to write the JSON")
+    args = parser.parse_args()
+
+    path = model_path_for(args.model)
+    results = run_bench(path, [128, 512], [128], args.repetitions, args.warmup, args.threads, args.kv_bits)
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    name = path.parent.parent.name if path.name == "model.base" else path.name
+    print(markdown_table(name, path.stat().st_size, results))
+    print(f"\npeak RSS: {peak_rss_mib:.1f} MiB")
+    report = {
+        "basert_version": __version__,
+        "model": str(path),
+        "model_bytes": path.stat().st_size,
+        "threads": args.threads,
+        "kv_bits": args.kv_bits,
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "results": [{"test": r.test, "tokens_per_second_mean": r.mean, "tokens_per_second_stdev": r.stdev,
+                     "runs_tokens_per_second": r.rates} for r in results],
+        "peak_rss_mib": peak_rss_mib,
+    }
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

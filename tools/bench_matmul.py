@@ -1,0 +1,140 @@
+"""Micro-benchmark of basert._ext.matmul: GFLOP/s and weight GB/s on SmolLM2-135M shapes, then whole-model passes.
+
+Per shape, M=1 is timed "hot" (one weight, cache-resident: the kernel's own speed) and "cold" (cycling
+through copies that overflow the last-level cache, as decode on a real model does). The model rows run
+every matmul of SmolLM2-135M once (30 layers of base_q4 g32 asymmetric + the base_q8 g32 symmetric
+lm_head, about 97 MB): M=1 is one decode step, M=512 a 512-token prefill; they give matmul-only tokens/s.
+Run: python tools/bench_matmul.py [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from basert._ext import matmul as mm
+
+SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576))  # N x K: attention, gate/up, down, lm_head
+KINDS = (("base_q4", 32, False), ("base_q8", 32, True), ("f32", 0, False))  # kind, group, symmetric
+COLD_BYTES = 96 << 20  # three times a 32 MiB L3
+LAYERS = 30
+LAYER_SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))  # q k v o gate up down
+VOCAB = 49152
+
+
+@dataclass(slots=True)
+class Result:
+    case: str
+    shape: str
+    m: str
+    threads: int
+    us_per_call: float
+    gflops: float
+    weight_gbps: float
+
+
+def make_weight(kind: str, group: int, symmetric: bool, n: int, k: int, rng: np.random.Generator) -> tuple[mm.Weight, int]:
+    """A weight of random codes (timing does not depend on values) and its size in bytes, scales included."""
+    if kind == "f32":
+        data = rng.standard_normal(n * k, dtype=np.float32).view(np.uint8)
+        return mm.Weight("f32", n, k, data), data.nbytes
+    packed = rng.integers(0, 256, n * k // (2 if kind == "base_q4" else 1), dtype=np.uint8)
+    groups = n * k // group
+    scales = (rng.random(groups, dtype=np.float32) * 0.01).astype(np.float16).view(np.uint16)
+    biases = None if symmetric else (-rng.random(groups, dtype=np.float32) * 0.1).astype(np.float16).view(np.uint16)
+    size = packed.nbytes + scales.nbytes + (0 if biases is None else biases.nbytes)
+    return mm.Weight(kind, n, k, packed, scales, biases, group), size
+
+
+def seconds_per_call(call: Callable[[], None], min_time: float) -> float:
+    """Best mean over 5 rounds of at least min_time / 5 seconds each (a shared machine only ever slows a round)."""
+    call()
+    best = float("inf")
+    for _ in range(5):
+        reps, start = 0, time.perf_counter()
+        while True:
+            call()
+            reps += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time / 5:
+                break
+        best = min(best, elapsed / reps)
+    return best
+
+
+def report(results: list[Result], result: Result) -> None:
+    results.append(result)
+    print(f"{result.case:13} {result.shape:>12} M={result.m:7} t={result.threads}  {result.us_per_call:11.1f} us  "
+          f"{result.gflops:7.1f} GFLOP/s  {result.weight_gbps:6.2f} GB/s", flush=True)
+
+
+def bench_shapes(threads: list[int], ms: list[int], min_time: float, rng: np.random.Generator) -> list[Result]:
+    results: list[Result] = []
+    for n, k in SHAPES:
+        for kind, group, symmetric in KINDS:
+            case = kind if not group else f"{kind}-g{group}{'s' if symmetric else 'a'}"
+            weight, size = make_weight(kind, group, symmetric, n, k, rng)
+            copies = [weight] + [make_weight(kind, group, symmetric, n, k, rng)[0] for _ in range(COLD_BYTES // size)]
+            for t in threads:
+                mm.set_num_threads(t)
+                for m in ms:
+                    x = rng.standard_normal((m, k), dtype=np.float32)
+                    out = np.empty((m, n), dtype=np.float32)
+                    runs = {"hot" if m == 1 else str(m): lambda: mm.matmul(x, weight, out)}
+                    if m == 1:
+                        runs["cold"] = lambda: [mm.matmul(x, w, out) for w in copies]
+                    for label, call in runs.items():
+                        calls = len(copies) if label == "cold" else 1
+                        s = seconds_per_call(call, min_time) / calls
+                        report(results, Result(case, f"{n}x{k}", f"1 {label}" if m == 1 else label, t, s * 1e6,
+                                               2 * m * n * k / s / 1e9, size / s / 1e9))
+    return results
+
+
+def bench_model(threads: list[int], min_time: float, rng: np.random.Generator) -> list[Result]:
+    """Every matmul of SmolLM2-135M once, at M=1 (decode) and M=512 (prefill)."""
+    layers = [make_weight("base_q4", 32, False, n, k, rng) for _ in range(LAYERS) for n, k in LAYER_SHAPES]
+    weights = layers + [make_weight("base_q8", 32, True, VOCAB, 576, rng)]
+    size = sum(s for _, s in weights)
+    flops_per_token = 2 * sum(w.n * w.k for w, _ in weights)
+    lm_head_flops = 2 * VOCAB * 576
+    results: list[Result] = []
+    for m in (1, 512):
+        xs = {k: rng.standard_normal((m, k), dtype=np.float32) for k in (576, 1536)}
+        outs = [np.empty((m, w.n), dtype=np.float32) for w, _ in weights]
+        # Prefill needs logits for the last position only.
+        calls = [(xs[w.k][-1:] if w.n == VOCAB else xs[w.k], w, out[-1:] if w.n == VOCAB else out)
+                 for (w, _), out in zip(weights, outs, strict=True)]
+        for t in threads:
+            mm.set_num_threads(t)
+            s = seconds_per_call(lambda: [mm.matmul(x, w, out) for x, w, out in calls], min_time)
+            flops = (flops_per_token - lm_head_flops) * m + lm_head_flops
+            report(results, Result("smollm2-135m", f"{len(weights)} mats", str(m), t, s * 1e6, flops / s / 1e9,
+                                   size / s / 1e9))
+            print(f"{'':13} -> {m / s:.0f} tokens/s from matmul alone ({'decode' if m == 1 else 'prefill'})", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 128, 512])
+    parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timing per row")
+    parser.add_argument("--skip-shapes", action="store_true", help="only the whole-model passes")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    results = [] if args.skip_shapes else bench_shapes(args.threads, args.m, args.min_time, rng)
+    results += bench_model(args.threads, args.min_time, rng)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
