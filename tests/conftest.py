@@ -23,15 +23,53 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen35_tokenizer_object(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The tokenizer object of the Qwen3.5 vocab-only GGUF (decompressed once per session)."""
+def qwen35_vocab_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen3.5 vocab-only GGUF, decompressed once per session."""
     import lzma
-
-    from basert.convert.tokenizer_source import tokenizer_object_from_path
 
     path = tmp_path_factory.mktemp("vocab") / "ggml-vocab-qwen35.gguf"
     path.write_bytes(lzma.decompress((FIXTURES / "tokenizers" / "ggml-vocab-qwen35.gguf.xz").read_bytes()))
-    return tokenizer_object_from_path(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen35_tokenizer_object(qwen35_vocab_gguf: Path) -> dict:
+    from basert.convert.tokenizer_source import tokenizer_object_from_path
+
+    return tokenizer_object_from_path(qwen35_vocab_gguf)
+
+
+@pytest.fixture(scope="session")
+def qwen35_chat_base(tmp_path_factory: pytest.TempPathFactory, qwen35_vocab_gguf: Path) -> Path:
+    """A tiny random Qwen3.5-style hybrid with the real Qwen3.5 vocabulary (for chat and tool-call tests).
+
+    The layers are those of the tiny reference model; the embedding and head are random rows for the
+    full 151,936-token vocabulary. Serve it with the real Qwen3.5 chat template (--chat-template).
+    """
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from basert.convert import convert
+
+    source = FIXTURES / "refdata" / "models" / "qwen3_5-tiny"
+    root = tmp_path_factory.mktemp("qwen35-chat")
+    model_dir = root / "hf"
+    model_dir.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    vocab = 151936
+    config["vocab_size"] = vocab
+    (model_dir / "config.json").write_text(json.dumps(config))
+    tensors = load_file(source / "model.safetensors")
+    rng = np.random.default_rng(35)
+    hidden = config["hidden_size"]
+    tensors["model.embed_tokens.weight"] = (rng.standard_normal((vocab, hidden)) * 0.125).astype(np.float32)
+    tensors["lm_head.weight"] = (rng.standard_normal((vocab, hidden)) * 0.125).astype(np.float32)
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    out = root / "qwen35-chat.base"
+    convert(model_dir, out, target="base-q8", tokenizer_src=qwen35_vocab_gguf)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from conftest import FIXTURES
-from server_process import ServerProcess
+from basert.server.launcher import ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +246,24 @@ def test_api_keys(smollm2_base: Path, tmp_path: Path):
         assert httpx.get(proc.url + "/slots", headers={"X-Api-Key": "wrong"}).status_code == 401
     finally:
         assert proc.stop() == 0
+
+
+def test_slots_cli(server: ServerProcess):
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "basert", "slots", *args, "--url", server.url],
+                              capture_output=True, text=True, timeout=120)
+
+    post(server, "/v1/completions", {"prompt": "Hi there", "max_tokens": 2, "temperature": 0})
+    listing = run("list")
+    assert listing.returncode == 0 and "TOKENS" in listing.stdout
+    saved = run("save", "0")
+    assert saved.returncode == 0, saved.stderr
+    file_id = json.loads(saved.stdout)["file_id"]
+    assert run("erase", "0").returncode == 0
+    restored = run("restore", "0", "--file-id", file_id)
+    assert restored.returncode == 0 and json.loads(restored.stdout)["n_restored"] > 0
+    missing = run("erase", "9")
+    assert missing.returncode == 1 and "slot 9 not found" in missing.stderr

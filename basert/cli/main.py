@@ -1,4 +1,4 @@
-"""The `basert` command: serve, convert, inspect, pull, list, complete and bench."""
+"""The `basert` command: serve, slots, convert, inspect, pull, list, complete and bench."""
 
 from __future__ import annotations
 
@@ -142,9 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_list)
 
-    from basert.cli import bench, generate, serve
+    from basert.cli import bench, generate, serve, slots
 
     serve.add_parser(sub)
+    slots.add_parser(sub)
     generate.add_parser(sub)
     bench.add_parser(sub)
     return parser

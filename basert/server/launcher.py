@@ -1,4 +1,4 @@
-"""A real `basert serve` subprocess on a free loopback port, for tests and tools."""
+"""Start a real `basert serve` subprocess on a free loopback port (for integration tests and tools)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import urllib.error
+import urllib.request
 
 
 def free_port() -> int:
@@ -38,9 +39,10 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_text()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1.0) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.1)
         self.process.kill()
