@@ -41,4 +41,7 @@ def test_requests_equal_their_fresh_server_answers(name: str, plain: bool, smoll
     print(harness.report(outcomes))
     assert all(o.same for o in outcomes), harness.report(outcomes)
     if not plain:
-        assert all('"lookup_key"' in o.answer for o in outcomes), harness.report(outcomes)
+        # The grammar forces a lookup_key call. SmolLM2 closes it; the random hybrid writes key text until
+        # max_tokens, so its cut-off call is returned as content, never as a call.
+        marker = '"lookup_key"' if name == "smollm2" else "<function=lookup_key>"
+        assert all(marker in o.answer for o in outcomes), harness.report(outcomes)

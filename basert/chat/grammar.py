@@ -7,8 +7,8 @@ each logits row and follows the sampled tokens.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
@@ -23,11 +23,13 @@ COMPACT = {"whitespace_flexible": False}
 COMPACT_LENIENT = {"whitespace_flexible": False, "lenient": True}
 # Short errors: the default embeds the parser state and the whole grammar in every message.
 LIMITS = LLParserLimits(verbose_errors=False)
-XML_CLOSE_PARAMETER = "</parameter>"
+XML_CLOSE_VALUE = "\n</parameter>\n"
 TEXT_VALUE = "TEXT_VALUE"
 # JSON-schema types that the XML dialect writes as JSON text; any other parameter is raw text.
 XML_JSON_TYPES = frozenset({"integer", "number", "boolean", "null", "object", "array"})
 DEFINITION_KEYS = ("$defs", "definitions")
+# GGUF converters fill the ids between the tokenizer's vocabulary and the model's embedding rows with these.
+PAD_PIECE = re.compile(r"\[PAD\d+\]")
 # Row b holds, for the 8 token ids that byte b of a bitmask covers, the ceiling each logit gets: +inf keeps
 # it (min(x, +inf) == x), -inf masks it. Masking is then one gather and one minimum, with no branches.
 BYTE_CEILINGS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, np.inf, -np.inf).astype(np.float32)
@@ -41,22 +43,27 @@ class GrammarError(ValueError):
 class Grammar:
     """A constraint compiled for one model's vocabulary; every choice of a request starts from a copy."""
 
-    source: str
     initial: LLMatcher
 
 
 class GrammarFactory:
     """Compiles constraints against one model's vocabulary (built once per model: about a second)."""
 
-    __slots__ = ("_tokenizer", "_lltokenizer", "vocab_size")
+    __slots__ = ("_lltokenizer", "_tokenizer", "_usable", "vocab_size")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         # The first EOS id is the one llguidance names; every turn end ends a complete output.
         eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
         eos += sorted(tokenizer.eos_ids - set(eos))
+        hf_json = tokenizer.to_hf_json()
         self._tokenizer = tokenizer
-        self._lltokenizer = LLTokenizer(tokenizer.to_hf_json(), eos_token=eos or None)
+        self._lltokenizer = LLTokenizer(hf_json, eos_token=eos or None)
         self.vocab_size: int = self._lltokenizer.vocab_size
+        # One bit per id, clear for padding entries: llguidance would take `[PAD151646]` for plain text.
+        self._usable = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
+        usable_bits = np.unpackbits(self._usable.view(np.uint8), bitorder="little")
+        usable_bits[_padding_ids(json.loads(hf_json))] = 0
+        self._usable.view(np.uint8)[:] = np.packbits(usable_bits, bitorder="little")
 
     def json_schema(self, schema: dict) -> Grammar:
         """Output one compact JSON value matching `schema` (response_format json_schema)."""
@@ -79,30 +86,43 @@ class GrammarFactory:
             functions = [f for f in functions if f["name"] == name]
             if not functions:
                 raise GrammarError(f"tool {name!r} is not among the tools")
+        # (tool name, JSON schema document) of each %json in the grammar, to name the culprit of an error.
+        documents: list[tuple[str, dict]] = []
         if dialect == QWEN_JSON:
-            rules = self._json_dialect(functions)
+            rules = self._json_dialect(functions, documents)
         elif dialect == QWEN_XML:
-            rules = self._xml_dialect(functions)
+            rules = self._xml_dialect(functions, documents)
         else:
             raise GrammarError(f"unknown tool-call dialect {dialect!r}")
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         call = f'call: {self._literal(OPEN_TAG)} "\\n" body "\\n" {self._literal(CLOSE_TAG)}'
-        return self._compile(LLMatcher.grammar_from_lark("\n".join([start, call, *rules])))
+        try:
+            return self._compile(LLMatcher.grammar_from_lark("\n".join([start, call, *rules])))
+        except GrammarError as error:
+            raise self._tool_error(documents, error) from None
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A fresh matcher at the start of `grammar`, for one choice of one request."""
-        return GrammarMatcher(grammar.initial.deep_copy(), self.vocab_size)
+        return GrammarMatcher(grammar, self._usable, self.vocab_size)
 
     def _compile(self, source: str) -> Grammar:
         matcher = LLMatcher(self._lltokenizer, source, log_level=0, limits=LIMITS)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
-        return Grammar(source, matcher)
+            raise GrammarError(_first_line(matcher.get_error()))
+        return Grammar(matcher)
+
+    def _tool_error(self, documents: list[tuple[str, dict]], error: GrammarError) -> GrammarError:
+        """The error of the first tool whose schema fails alone, else the grammar's own."""
+        for name, document in documents:
+            message = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(document), self._lltokenizer)
+            if message:
+                return GrammarError(f"parameters of tool {name!r}: {_first_line(message)}")
+        return error
 
     def _literal(self, text: str) -> str:
         """Lark for fixed text, naming as token ids the added tokens the tokenizer splits it into."""
-        # llguidance treats every added token (Qwen's `<tool_call>` among them) as special: it matches
-        # only `<[id]>`, never the text it stands for, and the model only ever saw it as that one token.
+        # llguidance takes added tokens such as Qwen's `<tool_call>` for special ones: they match only as
+        # `<[id]>`, never as the text they stand for, and the model only ever saw them as that one token.
         parts: list[str] = []
         pending = b""
         for token_id in self._tokenizer.encode(text):
@@ -117,7 +137,7 @@ class GrammarFactory:
             parts.append(_lark_string(pending.decode("utf-8")))
         return " ".join(parts)
 
-    def _json_dialect(self, functions: list[dict]) -> list[str]:
+    def _json_dialect(self, functions: list[dict], documents: list[tuple[str, dict]]) -> list[str]:
         # One JSON document per function so each keeps its own `$defs` for `#/$defs/...` references.
         rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
         for i, function in enumerate(functions):
@@ -130,59 +150,63 @@ class GrammarFactory:
                 "additionalProperties": False,
             }
             _hoist_definitions(schema, arguments)
+            documents.append((function["name"], schema))
             rules.append(f"fn{i}: %json {json.dumps(schema)}")
         return rules
 
-    def _xml_dialect(self, functions: list[dict]) -> list[str]:
+    def _xml_dialect(self, functions: list[dict], documents: list[tuple[str, dict]]) -> list[str]:
         rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
         for i, function in enumerate(functions):
             parameters = function["parameters"]
-            properties = parameters.get("properties") or {}
-            required = parameters.get("required") or []
+            properties = parameters.get("properties")
+            properties = properties if isinstance(properties, dict) else {}
+            required = parameters.get("required")
+            required = [n for n in required if isinstance(n, str)] if isinstance(required, list) else []
             names = [*properties, *(n for n in required if n not in properties)]
             items = [self._literal(f"<function={function['name']}>\n")]
             for j, param in enumerate(names):
                 rule = f"fn{i}_p{j}"
                 items.append(rule if param in required else f"{rule}?")
                 head = self._literal(f"<parameter={param}>\n")
-                schema = properties.get(param, {})
-                value = self._xml_value(schema, parameters, f"{rule}_value", rules)
+                schema = properties.get(param)
+                schema = schema if isinstance(schema, dict) else {}
+                document = _xml_json_document(schema, parameters)
+                if document is None:
+                    value = self._xml_text_value(schema, f"{rule}_value", rules)
+                else:
+                    documents.append((function["name"], document))
+                    rules.append(f"{rule}_value: %json {json.dumps(document)}")
+                    value = f"{rule}_value {self._literal(XML_CLOSE_VALUE)}"
                 rules.append(f"{rule}: {head} {value}")
             items.append(self._literal("</function>"))
             rules.append(f"fn{i}: " + " ".join(items))
-        # Raw text up to the first `</parameter>`, as the parser reads it; the closing tag must follow a newline.
-        # Not bounded by minLength/maxLength: a counted `(?s:.){m,n}` costs milliseconds per token to mask
-        # and exceeds llguidance's lexer limits once combined with the exclusion.
-        rules.append(f"{TEXT_VALUE}: /(?s:.*)\\n<\\/parameter>/ & ~/(?s:.*)<\\/parameter>(?s:.+)/")
+        if any(TEXT_VALUE in rule for rule in rules):
+            # Raw text up to the first `</parameter>`, as the parser reads it; the tag must follow a newline.
+            # Not bounded by minLength/maxLength: a counted `(?s:.){m,n}` costs milliseconds per token to
+            # mask and exceeds llguidance's lexer limits once combined with the exclusion.
+            rules.append(f"{TEXT_VALUE}: /(?s:.*)\\n<\\/parameter>/ & ~/(?s:.*)<\\/parameter>(?s:.+)/")
         return rules
 
-    def _xml_value(self, schema: Any, parameters: dict, rule: str, rules: list[str]) -> str:
-        """Lark for one XML parameter value and the newline after its closing tag."""
-        close = self._literal(f"\n{XML_CLOSE_PARAMETER}\n")
-        schema = schema if isinstance(schema, dict) else {}
-        declared = schema.get("type")
-        types = set(declared) if isinstance(declared, list) else {declared}
-        if types & XML_JSON_TYPES and "string" not in types:
-            document = {**schema, "x-guidance": COMPACT_LENIENT}
-            _hoist_definitions(document, parameters)
-            rules.append(f"{rule}: %json {json.dumps(document)}")
-            return f"{rule} {close}"
+    def _xml_text_value(self, schema: dict, rule: str, rules: list[str]) -> str:
+        """Lark for a raw-text parameter value and the newline after its closing tag."""
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
             rules.append(f"{rule}: " + " | ".join(self._literal(c) for c in choices))
-            return f"{rule} {close}"
+            return f"{rule} {self._literal(XML_CLOSE_VALUE)}"
         return f'{TEXT_VALUE} "\\n"'
 
 
 class GrammarMatcher:
     """One choice's position in a grammar: which tokens may come next, advanced by each sampled token."""
 
-    __slots__ = ("_matcher", "_bitmask", "_ceilings", "_mask_ready", "vocab_size")
+    __slots__ = ("_bitmask", "_ceilings", "_grammar", "_mask_ready", "_matcher", "_usable", "vocab_size")
 
-    def __init__(self, matcher: LLMatcher, vocab_size: int) -> None:
-        self._matcher = matcher
+    def __init__(self, grammar: Grammar, usable: np.ndarray, vocab_size: int) -> None:
+        self._grammar = grammar
+        self._matcher = grammar.initial.deep_copy()
+        self._usable = usable
         self.vocab_size = vocab_size
-        self._bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        self._bitmask = np.zeros_like(usable)
         self._ceilings = np.empty((self._bitmask.nbytes, 8), dtype=np.float32)
         self._mask_ready = False
 
@@ -207,7 +231,7 @@ class GrammarMatcher:
         """Advance past a sampled token; GrammarError if the grammar does not allow it here."""
         self._mask_ready = False
         if not self._matcher.consume_token(token_id):
-            raise GrammarError(f"token {token_id} is not allowed here: {self._matcher.get_error()}")
+            raise GrammarError(f"token {token_id} is not allowed here: {_first_line(self._matcher.get_error())}")
 
     @property
     def is_finished(self) -> bool:
@@ -215,14 +239,16 @@ class GrammarMatcher:
         return self._matcher.is_stopped() and self._matcher.is_accepting()
 
     def reset(self) -> None:
-        """Go back to the start of the grammar."""
-        self._matcher.reset()
+        """Go back to the start of the grammar, also after a refused token."""
+        # A fresh copy: llguidance's own reset() keeps the error state a refused token leaves.
+        self._matcher = self._grammar.initial.deep_copy()
         self._mask_ready = False
 
     def _bits(self) -> np.ndarray:
         # The mask, one bit per token id, as bytes in id order; computed once per position.
         if not self._mask_ready:
             self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
+            np.bitwise_and(self._bitmask, self._usable, out=self._bitmask)
             self._mask_ready = True
         return self._bitmask.view(np.uint8)
 
@@ -233,7 +259,7 @@ def _functions(tools: list[dict]) -> list[dict]:
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise GrammarError("each tool must be {'type': 'function', 'function': {'name': ..., ...}}")
+            raise GrammarError("each tool must be {'type': 'function', 'function': {'name': ...}}")
         parameters = function.get("parameters")
         if parameters is None:
             parameters = {"type": "object", "properties": {}}
@@ -252,11 +278,37 @@ def _closed(parameters: dict) -> dict:
     return {**parameters, "additionalProperties": parameters.get("additionalProperties", False)}
 
 
+def _xml_json_document(schema: dict, parameters: dict) -> dict | None:
+    """The JSON schema document of an XML parameter written as JSON text, or None for a raw-text one."""
+    # The same rule as the XML parser's coercion: JSON for these declared types unless string is among them.
+    declared = schema.get("type")
+    types = set(declared) if isinstance(declared, list) else {declared}
+    if not types & XML_JSON_TYPES or "string" in types:
+        return None
+    document = {**schema, "x-guidance": COMPACT_LENIENT}
+    _hoist_definitions(document, parameters)
+    return document
+
+
 def _hoist_definitions(document: dict, root: dict) -> None:
     """Copy `root`'s `$defs`/`definitions` to `document`, where its `#/$defs/...` references now resolve."""
     for key in DEFINITION_KEYS:
         if key in root:
             document[key] = root[key]
+
+
+def _padding_ids(hf: dict) -> list[int]:
+    """Ids whose vocabulary entry (regular or added) is a `[PAD<n>]` filler."""
+    vocab = hf["model"].get("vocab") or {}
+    # BPE and WordPiece map piece -> id; Unigram lists [piece, score] in id order.
+    pieces = list(vocab.items()) if isinstance(vocab, dict) else [(entry[0], i) for i, entry in enumerate(vocab)]
+    pieces += [(token["content"], token["id"]) for token in hf.get("added_tokens", [])]
+    return sorted({token_id for piece, token_id in pieces if PAD_PIECE.fullmatch(piece)})
+
+
+def _first_line(message: str) -> str:
+    # llguidance appends parser state or the grammar's listing on further lines.
+    return message.partition("\n")[0]
 
 
 def _lark_string(text: str) -> str:

@@ -124,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = Config()
     config.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
     config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # our handlers, printed once
     config.graceful_timeout = 1.0
 
     async def main() -> None:

@@ -77,6 +77,10 @@ def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     use_tools = tools if (tools and body.tool_choice != "none") else None
     kwargs = dict(body.chat_template_kwargs or {})
+    if is_constrained(body, use_tools):
+        # A grammar forces the answer to start at once: a reasoning block opened by the prompt would
+        # swallow it, so thinking is off unless the request asks otherwise.
+        kwargs.setdefault("enable_thinking", False)
     if use_tools and not template.supports_tools:
         messages = inject_tool_prompt(messages, use_tools)
         rendered = template.render(messages, add_generation_prompt=True, **kwargs)
@@ -84,6 +88,13 @@ def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
         rendered = template.render(messages, tools=use_tools, add_generation_prompt=True, **kwargs)
     has_reasoning = "<think>" in (tokenizer.chat_template or "") or "<think>" in rendered
     return ChatPlan(tokenizer.encode(rendered), use_tools, opens_in_prompt(rendered), has_reasoning)
+
+
+def is_constrained(body: ChatCompletionRequest, tools: list[dict] | None) -> bool:
+    """True when a grammar will shape the output (forced tool call or a JSON response format)."""
+    forced = body.tool_choice == "required" or hasattr(body.tool_choice, "function")
+    json_format = body.response_format is not None and body.response_format.type != "text"
+    return (forced and bool(tools)) or json_format
 
 
 def constraint_factory_for(model: ServedModel, body: ChatCompletionRequest, tools: list[dict] | None):
