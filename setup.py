@@ -89,6 +89,8 @@ def extensions() -> list[Extension]:
             "wraparound": False,
             "cdivision": True,
             "initializedcheck": False,
+            # Plain builtin functions: cProfile then attributes time to each kernel (tools/profile_decode.py).
+            "binding": False,
         },
     )
 

@@ -151,6 +151,28 @@ def test_tiles_split_across_threads_agree(threads: None) -> None:
     assert_close_to_reference(two, x, reference)
 
 
+def at_offset(x: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of x whose data starts `offset` bytes past a 64-byte boundary."""
+    raw = np.empty(x.nbytes + 128, dtype=np.uint8)
+    start = -raw.ctypes.data % 64 + offset
+    copy = raw[start:start + x.nbytes].view(np.float32).reshape(x.shape)
+    copy[...] = x
+    return copy
+
+
+@pytest.mark.parametrize("spec", [Spec("f32"), Spec("base_q4", 32), Spec("base_q8", 32, True)], ids=str)
+def test_activation_alignment_does_not_change_results(spec: Spec) -> None:
+    # Activations that are not 32-byte aligned are copied to aligned rows first; the bits must not move.
+    weight, _ = random_weight(spec, 40, 576, seed=13)
+    x = np.random.default_rng(14).standard_normal((20, 576), dtype=np.float32)
+    outs = []
+    for offset in (0, 4, 16, 32):
+        out = np.empty((20, 40), dtype=np.float32)
+        mm.matmul(at_offset(x, offset), weight, out)
+        outs.append(out)
+    assert all(same_bits(out, outs[0]) for out in outs[1:])
+
+
 @pytest.mark.parametrize("spec", [Spec("f32"), Spec("bf16"), Spec("base_q4", 32), Spec("base_q8", 32, True),
                                   Spec("base_q4", 64, True, "bf16")], ids=str)
 def test_rows_slice_views_the_same_bytes(spec: Spec) -> None:

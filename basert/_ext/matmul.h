@@ -296,8 +296,8 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
 /* ---- small M: stream the packed rows, de-quantizing in registers ---- */
 
 /* Software prefetch distance in bytes along each weight row: a single core cannot keep enough
- * misses in flight from the hardware prefetcher alone (measured: 5 -> 7 GB/s cold, about the
- * kernel's cache-resident speed); anywhere from 2 to 8 KiB measured the same. */
+ * misses in flight from the hardware prefetcher alone (measured on one core: 5 -> 7 GB/s from
+ * DRAM, about the kernel's cache-resident speed); 2 to 8 KiB measured the same. */
 #define BASERT_PREFETCH_BYTES 2048
 
 /* Batches of up to this many activation rows stream; larger ones go through de-quantized tiles,
@@ -307,7 +307,7 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
 /* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..3) activation rows
  * x + c * ldx: each de-quantized weight vector feeds C accumulators, each activation load R.
  * The R * C accumulators are independent, which hides the FMA latency. GS: the group size as a
- * constant (0: read it from w), so the common sizes get a fully unrolled group loop. */
+ * constant (0: read it from w), so that size gets a fully unrolled group loop. */
 BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int kind, const int sym, const ptrdiff_t GS,
                                           const basert_weight *w, ptrdiff_t row, const float *x, ptrdiff_t ldx, float *y,
                                           ptrdiff_t ldy) {
@@ -397,8 +397,8 @@ BASERT_ALWAYS_INLINE void bm_stream_rows(const int R, const int kind, const int 
 BASERT_ALWAYS_INLINE void bm_stream_group(const int kind, const int sym, const ptrdiff_t GS, const basert_weight *w, const float *x,
                                           ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     ptrdiff_t row = r0;
-    /* Four weight rows for one activation row, two for several: about 8 accumulators either way
-     * (more spill registers; measured equal or slower). */
+    /* Four weight rows for one activation row, two for several (four rows by three activation rows
+     * spill registers and measured no faster). */
     if (m == 1)
         for (; row + 4 <= r1; row += 4) bm_stream_block(4, 1, kind, sym, GS, w, row, x, ldx, y, ldy);
     else

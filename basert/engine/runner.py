@@ -71,7 +71,8 @@ class ModelRunner:
         self.arch = self.base.arch
         self.config = self.base.config
         self.max_context = max_context
-        mm.set_num_threads(threads or default_threads())
+        self.threads = threads or default_threads()
+        mm.set_num_threads(self.threads)
         self.model = build_model(Weights(self.base), self.arch, self.config, max_context)
         layer_types = self.config.get("layer_types") or ["full_attention"] * self.config["num_hidden_layers"]
         self.n_attention_layers = sum(1 for kind in layer_types if kind == "full_attention")
@@ -115,6 +116,9 @@ class ModelRunner:
 
         On an exception the sequences in this call are left inconsistent: reset them.
         """
+        if mm.get_num_threads() != self.threads:
+            # OpenMP's thread count is per calling thread: the server steps in a worker thread.
+            mm.set_num_threads(self.threads)
         for request in requests:
             n_new = len(request.tokens)
             if n_new == 0:
