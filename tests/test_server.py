@@ -267,3 +267,72 @@ def test_slots_cli(server: ServerProcess):
     assert restored.returncode == 0 and json.loads(restored.stdout)["n_restored"] > 0
     missing = run("erase", "9")
     assert missing.returncode == 1 and "slot 9 not found" in missing.stderr
+
+
+LOOKUP_TOOL = {"type": "function", "function": {"name": "lookup_key", "description": "Look up a key",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"key": {"type": "string"}},
+                                                               "required": ["key"]}}}
+
+
+def test_forced_tool_call_streams_the_same_call(server: ServerProcess):
+    body = {"messages": [{"role": "user", "content": "Call lookup_key with key seq-7."}], "tools": [LOOKUP_TOOL],
+            "tool_choice": "required", "temperature": 0, "max_tokens": 64}
+    whole = post(server, "/v1/chat/completions", body).json()
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", whole
+    call = choice["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "lookup_key"
+    assert set(json.loads(call["function"]["arguments"])) == {"key"}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as response:
+        events = sse_events(response)
+    deltas = [d for e in events[:-1] for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert deltas[0]["id"] and deltas[0]["function"]["name"] == "lookup_key"
+    streamed: dict[int, str] = {}
+    for delta in deltas:
+        streamed[delta["index"]] = streamed.get(delta["index"], "") + delta["function"]["arguments"]
+    assert [streamed[i] for i in sorted(streamed)] == [
+        c["function"]["arguments"] for c in choice["message"]["tool_calls"]]
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    named = client.chat.completions.create(
+        model="model", messages=body["messages"], tools=[LOOKUP_TOOL], temperature=0, max_tokens=64,
+        tool_choice={"type": "function", "function": {"name": "lookup_key"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "lookup_key"
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    formatted = client.chat.completions.create(
+        model="model", messages=[{"role": "user", "content": "Weather in Paris for 2 days, as JSON."}],
+        temperature=0, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    parsed = json.loads(formatted.choices[0].message.content)
+    assert set(parsed) == {"city", "days"} and isinstance(parsed["days"], int)
+
+
+def test_files_endpoints(server: ServerProcess):
+    uploaded = httpx.post(server.url + "/v1/files", files={"file": ("notes.txt", b"hello files")},
+                          data={"purpose": "user_data"}).json()
+    assert uploaded["object"] == "file" and uploaded["bytes"] == 11 and uploaded["filename"] == "notes.txt"
+    assert httpx.get(f"{server.url}/v1/files/{uploaded['id']}").json() == uploaded
+    assert httpx.get(f"{server.url}/v1/files/{uploaded['id']}/content").content == b"hello files"
+    deleted = httpx.delete(f"{server.url}/v1/files/{uploaded['id']}").json()
+    assert deleted == {"id": uploaded["id"], "object": "file", "deleted": True}
+    r = httpx.get(f"{server.url}/v1/files/{uploaded['id']}")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "file_not_found"
+
+
+def test_request_timeout_ends_with_length(smollm2_base: Path, tmp_path: Path):
+    proc = ServerProcess(smollm2_base, "--max-context", "512", "--request-timeout", "150",
+                         log_path=tmp_path / "log")
+    try:
+        result = httpx.post(proc.url + "/v1/completions", timeout=120,
+                            json={"prompt": "Tell a story", "max_tokens": 400, "temperature": 0,
+                                  "ignore_eos": True}).json()
+        assert result["choices"][0]["finish_reason"] == "length"
+        assert 0 < result["usage"]["completion_tokens"] < 400
+        time.sleep(0.2)
+        assert "timed_out" in proc.log_text()
+    finally:
+        assert proc.stop() == 0
