@@ -292,8 +292,8 @@ def test_forced_tool_call_streams_the_same_call(server: ServerProcess):
     streamed: dict[int, str] = {}
     for delta in deltas:
         streamed[delta["index"]] = streamed.get(delta["index"], "") + delta["function"]["arguments"]
-    assert [streamed[i] for i in sorted(streamed)] == [
-        c["function"]["arguments"] for c in choice["message"]["tool_calls"]]
+    assert [streamed[i] for i in sorted(streamed)] == [call["function"]["arguments"]]
+    assert len(choice["message"]["tool_calls"]) == 1
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
     named = client.chat.completions.create(

@@ -105,7 +105,9 @@ def constraint_factory_for(model: ServedModel, body: ChatCompletionRequest, tool
         if forced_name and forced_name not in {t["function"]["name"] for t in tools}:
             raise invalid(f"tool_choice names {forced_name!r}, which is not in tools", "tool_choice")
         factory = model.grammar_factory()
-        grammar = factory.tool_call(tools, model.dialect, name=forced_name, parallel=body.parallel_tool_calls)
+        # Exactly one call: with "more calls allowed" a weak model keeps opening new ones until
+        # max_tokens, and the cut-off call would turn the whole answer into a "length" finish.
+        grammar = factory.tool_call(tools, model.dialect, name=forced_name, parallel=False)
         return lambda: factory.matcher(grammar)
     if (choice == "required" or forced_name) and not tools:
         raise invalid("tool_choice requires tools", "tool_choice")
