@@ -47,8 +47,14 @@ class ServedModel:
 
 def model_id_for(path: Path, header_name: str | None) -> str:
     """`org/name` for `<models dir>/<org>/<name>/<variant>/model.base`, else the header's name or file stem."""
-    if path.name == "model.base" and len(path.parts) >= 4:
-        return f"{path.parent.parent.parent.name}/{path.parent.parent.name}"
+    from basert.models_dir import MODEL_FILE_NAME, models_dir
+
+    try:
+        relative = path.resolve().relative_to(models_dir().resolve())
+    except ValueError:
+        relative = None
+    if relative is not None and len(relative.parts) == 4 and relative.name == MODEL_FILE_NAME:
+        return f"{relative.parts[0]}/{relative.parts[1]}"
     return header_name or path.stem
 
 
