@@ -5,6 +5,9 @@ float16 cache entries; GIL released, (token, head) rows in parallel)."""
 import numpy as np
 cimport numpy as cnp
 from cython.parallel cimport parallel, prange
+
+cdef extern from "simd.h" nogil:
+    int basert_threads_for(Py_ssize_t elements)
 from libc.stdint cimport int32_t, uint16_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
@@ -102,7 +105,7 @@ def attention(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[::1] blo
     cdef Py_ssize_t block_stride = n_kv * BASERT_KV_BLOCK * d, n_max = start_pos + T, i, t, h, head_offset
     cdef float *scores = NULL
     cdef int failed = 0
-    with nogil, parallel():
+    with nogil, parallel(num_threads=basert_threads_for(T * H * n_max * d)):
         scores = <float *> malloc(n_max * sizeof(float))
         for i in prange(T * H, schedule="dynamic"):
             if scores == NULL:

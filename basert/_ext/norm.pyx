@@ -6,6 +6,7 @@ cimport numpy as cnp
 from cython.parallel cimport prange
 
 cdef extern from "simd.h" nogil:
+    int basert_threads_for(Py_ssize_t elements)
     void basert_rmsnorm_row(const float *x, const float *w, float eps, float *out, Py_ssize_t n)
 
 
@@ -19,6 +20,6 @@ def rmsnorm(const float[:, ::1] x, const float[::1] weight, float eps, float[:, 
     elif out.shape[0] != m or out.shape[1] != k:
         raise ValueError("out must have the shape of x")
     with nogil:
-        for i in prange(m, schedule="static"):
+        for i in prange(m, schedule="static", num_threads=basert_threads_for(m * k)):
             basert_rmsnorm_row(&x[i, 0], &weight[0], eps, &out[i, 0], k)
     return np.asarray(out)

@@ -7,6 +7,7 @@ from cython.parallel cimport prange
 from libc.stdint cimport int32_t
 
 cdef extern from "simd.h" nogil:
+    int basert_threads_for(Py_ssize_t elements)
     void basert_rmsnorm_row(const float *x, const float *w, float eps, float *out, Py_ssize_t n)
 
 cdef extern from "ops.h" nogil:
@@ -34,7 +35,7 @@ def rmsnorm_heads(float[:, :, ::1] x, const float[::1] w, float eps):
         return
     cdef float *base = &x[0, 0, 0]
     with nogil:
-        for i in prange(rows, schedule="static"):
+        for i in prange(rows, schedule="static", num_threads=basert_threads_for(rows * d)):
             basert_rmsnorm_row(base + i * d, &w[0], eps, base + i * d, d)
 
 
@@ -52,7 +53,7 @@ def gated_rmsnorm(const float[:, :, ::1] x, const float[:, :, ::1] z, const floa
     cdef const float *zp = &z[0, 0, 0]
     cdef float *op = &out[0, 0, 0]
     with nogil:
-        for i in prange(rows, schedule="static"):
+        for i in prange(rows, schedule="static", num_threads=basert_threads_for(rows * d)):
             basert_gated_rmsnorm_row(xp + i * d, zp + i * d, &w[0], eps, op + i * d, d)
 
 
@@ -64,7 +65,7 @@ def silu_mul(const float[:, ::1] gate, const float[:, ::1] up, float[:, ::1] out
     if m == 0 or n == 0:
         return
     with nogil:
-        for i in prange(m, schedule="static"):
+        for i in prange(m, schedule="static", num_threads=basert_threads_for(m * n)):
             basert_silu_mul_row(&gate[i, 0], &up[i, 0], &out[i, 0], n)
 
 
@@ -76,7 +77,7 @@ def sigmoid_mul(float[:, ::1] x, const float[:, ::1] gate):
     if m == 0 or n == 0:
         return
     with nogil:
-        for i in prange(m, schedule="static"):
+        for i in prange(m, schedule="static", num_threads=basert_threads_for(m * n)):
             basert_sigmoid_mul_row(&x[i, 0], &gate[i, 0], n)
 
 
@@ -98,7 +99,7 @@ def rope(float[:, :, ::1] x, const int32_t[::1] positions, const float[:, ::1] c
         return
     cdef float *base = &x[0, 0, 0]
     with nogil:
-        for i in prange(T * H, schedule="static"):
+        for i in prange(T * H, schedule="static", num_threads=basert_threads_for(T * H * d)):
             t = i // H
             basert_rope_row(base + i * d, &cos_table[positions[t], 0], &sin_table[positions[t], 0], half,
                             interleaved)

@@ -7,6 +7,18 @@
 #include <math.h>
 #include <stddef.h>
 
+/* Below this many elements a kernel runs on the calling thread: at decode size (one token) starting
+ * an OpenMP region costs more than the work itself. */
+#define BASERT_SERIAL_BELOW 32768
+#if defined(_OPENMP)
+#include <omp.h>
+static inline int basert_threads_for(ptrdiff_t elements) {
+    return elements < BASERT_SERIAL_BELOW ? 1 : omp_get_max_threads();
+}
+#else
+static inline int basert_threads_for(ptrdiff_t elements) { (void)elements; return 1; }
+#endif
+
 #if defined(BASERT_SIMD)
 #include <immintrin.h>
 

@@ -63,23 +63,25 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
     app.basert_metrics = metrics  # type: ignore[attr-defined]
     keys = [k.encode() for k in settings.api_keys]
 
-    def log_request(endpoint: str, status: int, started: float, record: RequestRecord | None) -> None:
+    def log_request(endpoint: str, status: int, started: float, record: RequestRecord | None,
+                    method: str, path: str, streamed: bool = False) -> None:
         elapsed = time.monotonic() - started
         metrics.requests.labels(endpoint, str(status)).inc()
         metrics.latency.labels(endpoint).observe(elapsed)
-        if record is not None and record.model:
-            metrics.prompt_tokens.labels(record.model).inc(record.prompt_tokens)
-            metrics.cached_tokens.labels(record.model).inc(record.cached_tokens)
-            metrics.generated_tokens.labels(record.model).inc(record.completion_tokens)
-            if record.ttft_ms:
-                metrics.ttft.labels(record.model).observe(record.ttft_ms / 1000)
         r = record or RequestRecord()
+        if r.model:
+            metrics.prompt_tokens.labels(r.model).inc(r.prompt_tokens)
+            metrics.cached_tokens.labels(r.model).inc(r.cached_tokens)
+            metrics.generated_tokens.labels(r.model).inc(r.completion_tokens)
+            if r.ttft_ms:
+                metrics.ttft.labels(r.model).observe(r.ttft_ms / 1000)
         access_log.info(
             "%s %s %d model=%s slot=%s prompt=%d cached=%d completion=%d prefill_tps=%.1f decode_tps=%.1f "
-            "ttft_ms=%.1f total_ms=%.1f finish=%s%s",
-            request.method, request.path, status, r.model or "-", "-" if r.slot is None else r.slot,
+            "ttft_ms=%.1f total_ms=%.1f finish=%s%s%s",
+            method, path, status, r.model or "-", "-" if r.slot is None else r.slot,
             r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.prompt_per_second, r.predicted_per_second,
-            r.ttft_ms, 1000 * elapsed, r.finish_reason or "-", " timed_out" if r.timed_out else "",
+            r.ttft_ms, 1000 * elapsed, r.finish_reason or ("cancelled" if streamed else "-"),
+            " stream" if streamed else "", " timed_out" if r.timed_out else "",
         )
 
     @app.before_request
@@ -124,7 +126,8 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
                 error = ApiError(500, f"internal error: {mapping_failure!r}", type="server_error",
                                  code="internal_error")
         started = getattr(request, "basert_started", time.monotonic())
-        log_request(endpoint_name(), error.status, started, getattr(request, "basert_record", None))
+        log_request(endpoint_name(), error.status, started, getattr(request, "basert_record", None),
+                    request.method, request.path)
         return error_response(error)
 
     def endpoint_name() -> str:
@@ -144,29 +147,17 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
 
     def finish(endpoint: str, result, record: RequestRecord) -> Response | dict:
         started = request.basert_started  # type: ignore[attr-defined]
-        if isinstance(result, dict):
-            log_request(endpoint, 200, started, record)
-            return result
         method, path = request.method, request.path
+        if isinstance(result, dict):
+            log_request(endpoint, 200, started, record, method, path)
+            return result
 
         async def body() -> AsyncIterator[bytes]:
             try:
                 async for piece in result:
                     yield piece
             finally:
-                elapsed = time.monotonic() - started
-                metrics.requests.labels(endpoint, "200").inc()
-                metrics.latency.labels(endpoint).observe(elapsed)
-                if record.model:
-                    metrics.generated_tokens.labels(record.model).inc(record.completion_tokens)
-                    metrics.prompt_tokens.labels(record.model).inc(record.prompt_tokens)
-                    metrics.cached_tokens.labels(record.model).inc(record.cached_tokens)
-                access_log.info("%s %s 200 model=%s slot=%s prompt=%d cached=%d completion=%d prefill_tps=%.1f "
-                                "decode_tps=%.1f ttft_ms=%.1f total_ms=%.1f finish=%s stream%s",
-                                method, path, record.model, record.slot, record.prompt_tokens,
-                                record.cached_tokens, record.completion_tokens, record.prompt_per_second,
-                                record.predicted_per_second, record.ttft_ms, 1000 * elapsed,
-                                record.finish_reason or "cancelled", " timed_out" if record.timed_out else "")
+                log_request(endpoint, 200, started, record, method, path, streamed=True)
 
         response = Response(body(), mimetype="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
