@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import trio
 
 from conftest import FIXTURES
 
@@ -32,11 +31,11 @@ def model_and_flags(name: str, smollm2_base: Path, qwen35_chat_base: Path) -> tu
 
 @pytest.mark.parametrize("name", ["smollm2", "qwen35-hybrid"])
 @pytest.mark.parametrize("plain", [False, True], ids=["tool-calls", "plain-chat"])
-def test_requests_equal_their_fresh_server_answers(name: str, plain: bool, smollm2_base: Path,
-                                                   qwen35_chat_base: Path, tmp_path: Path):
+async def test_requests_equal_their_fresh_server_answers(name: str, plain: bool, smollm2_base: Path,
+                                                         qwen35_chat_base: Path, tmp_path: Path):
     model, flags = model_and_flags(name, smollm2_base, qwen35_chat_base)
     n = 8 if not plain else 4
-    outcomes = trio.run(harness.run_harness, model, flags, n, [2, 4], plain, tmp_path)
+    outcomes = await harness.run_harness(model, flags, n, [2, 4], plain, tmp_path)
     assert len(outcomes) == n + 6
     print(harness.report(outcomes))
     assert all(o.same for o in outcomes), harness.report(outcomes)
