@@ -30,6 +30,7 @@ from basert.actor.messages import (
     Stats,
     Tokens,
 )
+from basert.actor.scheduler import DEFAULT_TOKEN_BUDGET, plan_step
 from basert.engine.engine import Engine, FailEvent, FinishEvent, TokenEvent
 from basert.engine.snapshot import restore_lane, save_lane
 
@@ -55,9 +56,10 @@ class SlotOperationResult:
 class ModelActor:
     """Mailbox + engine of one model. Start `run()` in a nursery; stop it by cancelling that scope."""
 
-    def __init__(self, model_id: str, engine: Engine):
+    def __init__(self, model_id: str, engine: Engine, token_budget: int = DEFAULT_TOKEN_BUDGET):
         self.model_id = model_id
         self.engine = engine
+        self.token_budget = token_budget
         self.mailbox, self._inbox = trio.open_memory_channel[Message](math.inf)
         self.waiting: deque[Generate] = deque()
         self.admin: deque[Message] = deque()
@@ -79,7 +81,8 @@ class ModelActor:
                 await self._run_admin()
                 self._admit()
                 if self.engine.has_work:
-                    events = await trio.to_thread.run_sync(self.engine.step)
+                    plan = plan_step(self.engine.lane_statuses(), self.engine.available_blocks(), self.token_budget)
+                    events = await trio.to_thread.run_sync(self.engine.step, plan)
                     self.steps += 1
                     self._dispatch(events)
                 elif self.admin:
@@ -193,16 +196,14 @@ class ModelActor:
             info = await trio.to_thread.run_sync(save_lane, runner, lane, Path(message.path))
         elif isinstance(message, SlotRestore):
             try:
-                info = await trio.to_thread.run_sync(restore_lane, runner, lane, Path(message.path))
+                info = await trio.to_thread.run_sync(restore_lane, self.engine, lane, Path(message.path))
             except Exception:
                 # A refused snapshot leaves the slot empty, never half-restored or stale.
-                runner.release(lane.sequence)
-                lane.checkpoint = None
+                lane.forget(runner)
                 raise
         elif isinstance(message, SlotErase):
             n = lane.sequence.n_past
-            runner.release(lane.sequence)
-            lane.checkpoint = None
+            lane.forget(runner)
             return SlotOperationResult(message.slot, n, 0, 1000 * (time.perf_counter() - started))
         else:
             raise TypeError(f"unknown admin message {message!r}")

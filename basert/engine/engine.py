@@ -1,9 +1,10 @@
-"""Engine: lanes (slots) that each run one generation request, stepped by one batched forward.
+"""Engine: lanes (slots) that each run one generation request, advanced together by one batched forward.
 
-Synchronous and free of I/O: the actor calls `admit`, `cancel` and `step`, and relays the events.
-Each lane keeps its token history between requests; the next request on a lane reuses the
-longest usable common prefix (attention KV is truncated; a recurrent state can only resume from
-an exact extension or from the checkpoint taken just before its last prompt token).
+Synchronous and free of I/O: the actor calls `admit`, `cancel` and `step(plan)` (its scheduler decides the
+plan from `lane_statuses()`), and relays the events. Each lane keeps its token history between requests
+until the KV pool needs the blocks back; a new request reuses the longest usable prefix, either the lane's
+own history (attention KV is truncated; a recurrent state resumes only from an exact extension or from the
+checkpoint taken just before the last prompt token) or a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Protocol
 import numpy as np
 
 from basert.chat.detokenizer import IncrementalDetokenizer
+from basert.engine.kv import BLOCK_SIZE, blocks_for
+from basert.engine.prefix_cache import ROOT_KEY, PrefixCache
 from basert.engine.runner import ContextOverflowError, ForwardRequest, ModelRunner
 from basert.engine.sampler import Sampler, SamplingParams, TokenLogprob
 from basert.engine.sequence import RecurrentState, SequenceState
@@ -42,6 +45,7 @@ class GenerationRequest:
     constraint: TokenConstraint | None = None
     ignore_eos: bool = False
     deadline: float | None = None          # time.monotonic() after which generation stops ("length")
+    segment_ends: tuple[int, ...] = ()     # prompt positions where a chat segment ends (e.g. the system prompt)
 
 
 @dataclass(slots=True)
@@ -99,6 +103,31 @@ class FailEvent:
 Event = TokenEvent | FinishEvent | FailEvent
 
 
+class KVCacheTooSmallError(ValueError):
+    """A prompt needs more KV blocks than the whole pool holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaneStatus:
+    """What the scheduler knows of a busy lane."""
+
+    lane: int
+    decoding: bool          # feeds one sampled token next
+    max_chunk: int          # most prompt tokens the next forward may feed (0 while decoding)
+    n_past: int
+    n_blocks: int
+    order: int              # admission order: lower is older
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step: tokens to feed per lane, and lanes to preempt or to finish for lack of KV."""
+
+    chunks: tuple[tuple[int, int], ...] = ()   # (lane, number of tokens)
+    preempt: tuple[int, ...] = ()              # drop their KV now; they recompute it when blocks are free
+    starve: tuple[int, ...] = ()               # cannot grow even with the whole pool: finish ("length")
+
+
 @dataclass(slots=True)
 class Checkpoint:
     """The recurrent state after the first n_tokens of the lane's history."""
@@ -112,8 +141,10 @@ class ActiveGeneration:
     request: GenerationRequest
     sampler: Sampler
     detokenizer: IncrementalDetokenizer | None
-    pending: list[int]              # prompt tokens still to feed
+    pending: list[int]              # tokens still to feed before decoding (prompt, or history after preemption)
     cached_tokens: int
+    order: int
+    stops: list[int] = field(default_factory=list)  # positions where the recurrent state is captured, ascending
     generated: list[int] = field(default_factory=list)
     text: str = ""
     released: int = 0               # characters of text already sent
@@ -131,22 +162,31 @@ class Lane:
         self.sequence = sequence
         self.active: ActiveGeneration | None = None
         self.checkpoint: Checkpoint | None = None
+        self.last_used = 0
 
     @property
     def busy(self) -> bool:
         return self.active is not None
 
+    def forget(self, runner: ModelRunner) -> None:
+        """Drop the history: blocks back to the pool (cached ones stay findable), state zeroed."""
+        runner.release(self.sequence)
+        self.checkpoint = None
+
 
 class Engine:
-    """Lanes over one ModelRunner; `step()` advances every busy lane by one forward."""
+    """Lanes over one ModelRunner, optionally sharing a prefix cache; `step(plan)` runs one batched forward."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, n_lanes: int = 1,
-                 prefill_chunk: int = 512):
+                 prefix_cache: PrefixCache | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
-        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache
         self.lanes = [Lane(i, runner.new_sequence()) for i in range(n_lanes)]
         self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()
+        self.hybrid = runner.n_linear_layers > 0
+        self._admissions = 0
+        self._uses = 0
 
     # --- admission ----------------------------------------------------------------------------
     def free_lane(self, prompt: list[int]) -> Lane | None:
@@ -157,88 +197,172 @@ class Engine:
         return max(idle, key=lambda lane: (common_prefix(lane.sequence.tokens, prompt), -lane.index))
 
     def admit(self, request: GenerationRequest, lane: Lane) -> None:
-        """Start a request on an idle lane, reusing what the lane already computed."""
+        """Start a request on an idle lane, reusing what the lane or the prefix cache already computed."""
         if lane.busy:
             raise RuntimeError(f"lane {lane.index} is busy")
         if not request.prompt:
             raise ValueError("the prompt is empty")
         if len(request.prompt) + 1 > self.runner.max_context:
             raise ContextOverflowError(len(request.prompt), self.runner.max_context)
+        if blocks_for(len(request.prompt) + 1) > self.runner.pool.n_blocks:
+            raise KVCacheTooSmallError(
+                f"the prompt ({len(request.prompt)} tokens) does not fit in the KV cache "
+                f"({self.runner.pool.n_blocks * BLOCK_SIZE} tokens)")
         reused = self._reuse_prefix(lane, request.prompt)
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self._admissions += 1
         lane.active = ActiveGeneration(
             request=request,
             sampler=Sampler(request.sampling, self.runner.vocab_size),
             detokenizer=detokenizer,
             pending=list(request.prompt[reused:]),
             cached_tokens=reused,
+            order=self._admissions,
+            stops=self._stops(request, reused),
             started=time.monotonic(),
         )
 
+    def _stops(self, request: GenerationRequest, reused: int) -> list[int]:
+        """Where a hybrid's prefill pauses to capture its recurrent state."""
+        if not self.hybrid:
+            return []
+        n = len(request.prompt)
+        stops = {n - 1}  # the lane's checkpoint: a resent prompt resumes just before its last token
+        if self.prefix_cache is not None:
+            aligned = [(p // BLOCK_SIZE) * BLOCK_SIZE for p in (*request.segment_ends, n, n - 1)]
+            stops.update(p for p in aligned if 0 < p <= n)
+        return sorted(p for p in stops if p > reused)
+
     def _reuse_prefix(self, lane: Lane, prompt: list[int]) -> int:
+        """Prepare the lane's sequence to continue after the longest reusable prefix; its length."""
+        limit = len(prompt) - 1  # the last prompt token is always computed, for its logits
+        own = self._own_reusable(lane, prompt, limit)
+        cache = self.prefix_cache
+        hit = cache.lookup(prompt, limit) if cache is not None else None
+        if hit is not None and hit.n_tokens > own:
+            seq = lane.sequence
+            lane.forget(self.runner)
+            seq.block_table.adopt(hit.blocks, self.runner.pool)
+            seq.tokens.extend(prompt[: hit.n_tokens])
+            seq.block_keys.extend(hit.keys)
+            if seq.recurrent is not None:
+                seq.recurrent.copy_from(hit.snapshot)
+            cache.count_hit(hit.n_tokens)
+            return hit.n_tokens
+        self._resume_own(lane, own)
+        if cache is not None:
+            cache.count_hit(own)
+        return own
+
+    def _own_reusable(self, lane: Lane, prompt: list[int], limit: int) -> int:
         seq = lane.sequence
-        common = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
-        if seq.recurrent is None:
-            self.runner.rewind(seq, common)
-            return common
-        if common == seq.n_past:
+        common = min(common_prefix(seq.tokens, prompt), limit)
+        if seq.recurrent is None or common == seq.n_past:
             return common
         checkpoint = lane.checkpoint
         if checkpoint is not None and checkpoint.n_tokens <= common:
-            seq.block_table.truncate(checkpoint.n_tokens, self.runner.pool)
-            del seq.tokens[checkpoint.n_tokens:]
-            seq.recurrent.copy_from(checkpoint.state)
             return checkpoint.n_tokens
-        self.runner.release(seq)
         return 0
+
+    def _resume_own(self, lane: Lane, n_tokens: int) -> None:
+        seq = lane.sequence
+        if n_tokens == seq.n_past:
+            return
+        if n_tokens == 0:
+            lane.forget(self.runner)
+            return
+        if seq.recurrent is not None:
+            seq.recurrent.copy_from(lane.checkpoint.state)  # _own_reusable only resumes at the checkpoint
+        self.runner.truncate_kv(seq, n_tokens)
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request; its lane is free at once (what it computed stays a valid prefix)."""
         for lane in self.lanes:
             if lane.active is not None and lane.active.request.request_id == request_id:
-                lane.active = None
+                self._retire(lane)
                 return True
         return False
+
+    def _retire(self, lane: Lane) -> None:
+        lane.active = None
+        self._uses += 1
+        lane.last_used = self._uses
 
     @property
     def has_work(self) -> bool:
         return any(lane.busy for lane in self.lanes)
 
-    # --- stepping -----------------------------------------------------------------------------
-    def step(self) -> list[Event]:
-        """One forward over every busy lane (a prefill chunk or one decode token each); the events."""
-        work: list[tuple[Lane, list[int], bool]] = []
+    # --- planning inputs ----------------------------------------------------------------------
+    def lane_statuses(self) -> list[LaneStatus]:
+        statuses = []
         for lane in self.lanes:
+            gen = lane.active
+            if gen is None:
+                continue
+            seq = lane.sequence
+            max_chunk = 0
+            if gen.pending:
+                max_chunk = len(gen.pending)
+                for stop in gen.stops:
+                    if stop > seq.n_past:
+                        max_chunk = min(max_chunk, stop - seq.n_past)
+                        break
+            statuses.append(LaneStatus(lane.index, not gen.pending, max_chunk, seq.n_past,
+                                       seq.block_table.n_blocks, gen.order))
+        return statuses
+
+    def available_blocks(self) -> int:
+        """Blocks a step can use: free, evictable from the cache, or held only by idle lanes' histories."""
+        pool = self.runner.pool
+        idle_only = sum(int(np.count_nonzero(pool.ref_counts[lane.sequence.block_table.view()] == 1))
+                        for lane in self.lanes if not lane.busy)
+        return pool.n_available + idle_only
+
+    @property
+    def total_blocks(self) -> int:
+        return self.runner.pool.n_blocks
+
+    # --- stepping -----------------------------------------------------------------------------
+    def step(self, plan: StepPlan) -> list[Event]:
+        """Carry out one plan: finish starved lanes, preempt, then one forward over the planned chunks."""
+        events: list[Event] = []
+        for index in plan.starve:
+            lane = self.lanes[index]
+            if lane.active is not None:
+                events.extend(self._finish(lane, lane.active, "length", time.monotonic()))
+        for index in plan.preempt:
+            self._preempt(self.lanes[index])
+        work: list[tuple[Lane, list[int], bool]] = []
+        for index, n_tokens in plan.chunks:
+            lane = self.lanes[index]
             gen = lane.active
             if gen is None:
                 continue
             if not gen.pending:
                 work.append((lane, [gen.next_token], True))
                 continue
-            hybrid = lane.sequence.recurrent is not None
-            if hybrid and len(gen.pending) == 1:
-                # The state just before the last prompt token: the next request sharing this prompt resumes here.
-                self._checkpoint(lane)
-            chunk = gen.pending[: self.prefill_chunk]
-            if hybrid and len(chunk) == len(gen.pending) and len(chunk) > 1:
-                chunk = chunk[:-1]  # stop one short, so the checkpoint above can be taken next step
-            work.append((lane, chunk, len(chunk) == len(gen.pending)))
+            chunk = gen.pending[:n_tokens]
+            last = len(chunk) == len(gen.pending)
+            work.append((lane, chunk, last and gen.next_token is None))
         if not work:
-            return []
+            return events
+        self.make_room(sum(blocks_for(lane.sequence.n_past + len(chunk)) - lane.sequence.block_table.n_blocks
+                            for lane, chunk, _ in work))
         requests = [ForwardRequest(lane.sequence, chunk, "last" if wants else "none")
                     for lane, chunk, wants in work]
         try:
             results = self.runner.forward(requests)
         except Exception as exc:
-            return self._fail(work, exc)
-        events: list[Event] = []
+            return events + self._fail(work, exc)
         now = time.monotonic()
         for (lane, chunk, wants), logits in zip(work, results):
             gen = lane.active
+            self.register_blocks(lane.sequence)
             if gen.pending:
                 del gen.pending[: len(chunk)]
-                if not wants:
-                    continue
+                self._capture(lane, gen)
+                if gen.pending or not wants:
+                    continue  # more to feed, or recomputed after preemption: decode the token already sampled
                 gen.prefill_done = now
             gen.next_token = None
             try:
@@ -247,13 +371,53 @@ class Engine:
                 events.extend(self._fail([(lane, chunk, wants)], exc))
         return events
 
-    def _checkpoint(self, lane: Lane) -> None:
+    def make_room(self, n_blocks: int) -> None:
+        """Free idle lanes' histories, least recently used first, until n_blocks can be allocated."""
+        pool = self.runner.pool
+        for lane in sorted((lane for lane in self.lanes if not lane.busy), key=lambda lane: lane.last_used):
+            if pool.n_available >= n_blocks:
+                return
+            if lane.sequence.block_table.n_blocks:
+                lane.forget(self.runner)
+
+    def register_blocks(self, seq: SequenceState) -> None:
+        """Hand every newly filled block to the prefix cache."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        while len(seq.block_keys) < seq.n_past // BLOCK_SIZE:
+            i = len(seq.block_keys)
+            parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
+            tokens = seq.tokens[i * BLOCK_SIZE: (i + 1) * BLOCK_SIZE]
+            seq.block_keys.append(cache.register(parent, tokens, int(seq.block_table.ids[i])))
+
+    def _capture(self, lane: Lane, gen: ActiveGeneration) -> None:
+        """At a stop, keep the recurrent state: as the lane's checkpoint and/or as a prefix-cache snapshot."""
         seq = lane.sequence
-        if lane.checkpoint is None:
-            lane.checkpoint = Checkpoint(seq.n_past, seq.recurrent.clone())
-        else:
-            lane.checkpoint.state.copy_from(seq.recurrent)
-            lane.checkpoint.n_tokens = seq.n_past
+        n = seq.n_past
+        while gen.stops and gen.stops[0] < n:
+            gen.stops.pop(0)
+        if not gen.stops or gen.stops[0] != n:
+            return
+        gen.stops.pop(0)
+        if n == len(gen.request.prompt) - 1:
+            if lane.checkpoint is None:
+                lane.checkpoint = Checkpoint(n, seq.recurrent.clone())
+            else:
+                lane.checkpoint.state.copy_from(seq.recurrent)
+                lane.checkpoint.n_tokens = n
+        if self.prefix_cache is not None and n % BLOCK_SIZE == 0:
+            self.prefix_cache.add_snapshot(seq.block_keys[n // BLOCK_SIZE - 1], seq.recurrent)
+
+    def _preempt(self, lane: Lane) -> None:
+        """Drop a busy lane's KV; it recomputes its whole history (prompt and output so far) when scheduled."""
+        gen = lane.active
+        if gen is None:
+            return
+        seq = lane.sequence
+        gen.pending = list(seq.tokens) + gen.pending
+        lane.forget(self.runner)
+        gen.stops = self._stops(gen.request, 0) if gen.next_token is None else []
 
     def _after_logits(self, lane: Lane, gen: ActiveGeneration, logits: np.ndarray, now: float) -> list[Event]:
         request = gen.request
@@ -285,6 +449,11 @@ class Engine:
                 gen.next_token = token
                 return [TokenEvent(request.request_id, token, self._releasable(gen), logprob)]
             events.append(TokenEvent(request.request_id, token, "", logprob))
+        return events + self._finish(lane, gen, finish, now, timed_out, stopped_by_string)
+
+    def _finish(self, lane: Lane, gen: ActiveGeneration, finish: str, now: float, timed_out: bool = False,
+                stopped_by_string: bool = False) -> list[Event]:
+        request = gen.request
         if gen.detokenizer is not None and not stopped_by_string:
             gen.text += gen.detokenizer.flush()
         tail = gen.text[gen.released:]
@@ -298,9 +467,8 @@ class Engine:
             ttft_ms=1000 * (gen.first_token_at - gen.started),
         )
         usage = Usage(len(request.prompt), gen.cached_tokens, len(gen.generated))
-        lane.active = None
-        events.append(FinishEvent(request.request_id, finish, tail, usage, timings, timed_out, lane.index))
-        return events
+        self._retire(lane)
+        return [FinishEvent(request.request_id, finish, tail, usage, timings, timed_out, lane.index)]
 
     def _hit_stop_string(self, gen: ActiveGeneration) -> bool:
         for stop in gen.request.stop:
@@ -330,9 +498,8 @@ class Engine:
         for lane, _, _ in work:
             if lane.active is not None:
                 events.append(FailEvent(lane.active.request.request_id, exc))
-                lane.active = None
-            self.runner.release(lane.sequence)
-            lane.checkpoint = None
+                self._retire(lane)
+            lane.forget(self.runner)
         return events
 
 

@@ -1,6 +1,13 @@
-"""KV blocks: a pool that only counts blocks, the per-layer K/V tensors, and per-sequence block tables."""
+"""KV blocks: a pool of block ids with reference counts, the per-layer K/V tensors, and per-sequence block tables.
+
+A block whose last holder lets go returns to the free list, unless the prefix cache registered it:
+then it waits in an LRU queue, still holding its KV, until a hit revives it or an allocation evicts it.
+"""
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
@@ -17,38 +24,72 @@ def blocks_for(n_tokens: int) -> int:
 
 
 class BlockPool:
-    """Free list and reference counts of block ids; holds no tensors."""
+    """Free list, reference counts and the LRU queue of unreferenced cached blocks; holds no tensors."""
 
     def __init__(self, n_blocks: int):
         self.n_blocks = n_blocks
         self.ref_counts = np.zeros(n_blocks, dtype=np.int32)
         # Pop from the end: lowest ids are handed out first, which keeps small runs contiguous.
         self.free_ids = list(range(n_blocks - 1, -1, -1))
+        self.cached: set[int] = set()                       # blocks whose KV the prefix cache can hand out
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def n_free(self) -> int:
         return len(self.free_ids)
 
+    @property
+    def n_available(self) -> int:
+        """Blocks an allocation can get: free ones plus unreferenced cached ones (evicted oldest first)."""
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def n_used(self) -> int:
+        return self.n_blocks - self.n_available
+
     def allocate(self) -> int:
-        """A fresh block with reference count 1."""
-        if not self.free_ids:
+        """A block for exclusive writing, with reference count 1."""
+        if self.free_ids:
+            block = self.free_ids.pop()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            self.cached.discard(block)
+            if self.on_evict is not None:
+                self.on_evict(block)
+        else:
             raise OutOfBlocksError(f"all {self.n_blocks} KV blocks are in use")
-        block = self.free_ids.pop()
         self.ref_counts[block] = 1
         return block
 
     def retain(self, block: int) -> None:
-        """One more holder of a block."""
+        """One more holder of a block (a cached block nobody held comes back from the LRU queue)."""
         if self.ref_counts[block] <= 0:
-            raise ValueError(f"block {block} is not allocated")
+            if block not in self.evictable:
+                raise ValueError(f"block {block} is not allocated")
+            del self.evictable[block]
         self.ref_counts[block] += 1
 
     def release(self, block: int) -> None:
-        """One holder fewer; the block returns to the free list at zero."""
+        """One holder fewer; at zero a cached block joins the LRU queue, any other the free list."""
         if self.ref_counts[block] <= 0:
             raise ValueError(f"block {block} released more often than allocated")
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
+            if block in self.cached:
+                self.evictable[block] = None
+            else:
+                self.free_ids.append(block)
+
+    def is_shared(self, block: int) -> bool:
+        """Whether writing into the block could change what someone else reads."""
+        return self.ref_counts[block] > 1 or block in self.cached
+
+    def uncache(self, block: int) -> None:
+        """The prefix cache no longer hands this block out; unreferenced, it becomes free."""
+        self.cached.discard(block)
+        if block in self.evictable:
+            del self.evictable[block]
             self.free_ids.append(block)
 
 
@@ -62,10 +103,20 @@ class KVCache:
         self.k = [np.zeros(shape, dtype=dtype) for _ in range(n_layers)]
         self.v = [np.zeros(shape, dtype=dtype) for _ in range(n_layers)]
         self.n_blocks = n_blocks
+        self.dtype = np.dtype(dtype)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        return self.nbytes // self.n_blocks if self.n_blocks else 0
+
+    def copy_block(self, source: int, target: int) -> None:
+        for cache in (*self.k, *self.v):
+            cache[target] = cache[source]
 
 
 class BlockTable:
@@ -89,6 +140,15 @@ class BlockTable:
             raise OutOfBlocksError(f"{n_tokens} tokens need {needed} blocks; a sequence holds at most {len(self.ids)}")
         while self.n_blocks < needed:
             self.ids[self.n_blocks] = pool.allocate()
+            self.n_blocks += 1
+
+    def adopt(self, blocks: list[int], pool: BlockPool) -> None:
+        """Start from shared blocks (a prefix-cache hit): each gets one more holder."""
+        if self.n_blocks:
+            raise ValueError("adopt needs an empty block table")
+        for block in blocks:
+            pool.retain(block)
+            self.ids[self.n_blocks] = block
             self.n_blocks += 1
 
     def truncate(self, n_tokens: int, pool: BlockPool) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import xxhash
 
 from basert._ext import matmul as mm
-from basert.engine.kv import BlockPool, BlockTable, KVCache, blocks_for
+from basert.engine.kv import BLOCK_SIZE, BlockPool, BlockTable, KVCache, blocks_for
 from basert.engine.sequence import RecurrentState, SequenceState
 from basert.format import BaseFile
 from basert.models import build_model
@@ -104,8 +104,24 @@ class ModelRunner:
         """Keep only the first n_tokens of a sequence (attention-only models: KV can be truncated)."""
         if sequence.recurrent is not None and n_tokens != sequence.n_past:
             raise ValueError("a recurrent (DeltaNet) state cannot be rewound; reset the sequence instead")
-        sequence.block_table.truncate(n_tokens, self.pool)
+        self.truncate_kv(sequence, n_tokens)
+
+    def truncate_kv(self, sequence: SequenceState, n_tokens: int) -> None:
+        """Keep the KV and tokens of the first n_tokens positions (the recurrent state is the caller's).
+
+        The block that will be written next must be the sequence's own: a shared or cached one is copied.
+        """
+        table = sequence.block_table
+        table.truncate(n_tokens, self.pool)
         del sequence.tokens[n_tokens:]
+        del sequence.block_keys[n_tokens // BLOCK_SIZE:]
+        if n_tokens % BLOCK_SIZE:
+            last = int(table.ids[table.n_blocks - 1])
+            if self.pool.is_shared(last):
+                private = self.pool.allocate()
+                self.kv.copy_block(last, private)
+                table.ids[table.n_blocks - 1] = private
+                self.pool.release(last)
 
     def release(self, sequence: SequenceState) -> None:
         """Return a sequence's blocks to the pool and clear its state."""
@@ -138,6 +154,8 @@ class ModelRunner:
             seq = request.sequence
             n_new = len(request.tokens)
             end = seq.n_past + n_new
+            if seq.n_past % BLOCK_SIZE and self.pool.is_shared(int(seq.block_table.ids[seq.n_past // BLOCK_SIZE])):
+                raise RuntimeError("a sequence would write into a shared KV block")
             seq.block_table.ensure(end, self.pool)
             recurrent = seq.recurrent
             items.append(BatchItem(row, n_new, seq.n_past, seq.block_table.view(),

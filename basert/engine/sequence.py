@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +42,7 @@ class SequenceState:
     block_table: BlockTable
     recurrent: RecurrentState | None
     tokens: list[int]          # tokens whose KV / state have been computed, in order
+    block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of the full blocks, in order
 
     @property
     def n_past(self) -> int:
@@ -53,3 +54,4 @@ class SequenceState:
         if self.recurrent is not None:
             self.recurrent.reset()
         self.tokens.clear()
+        self.block_keys.clear()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from basert.engine.engine import Checkpoint, Lane
-from basert.engine.kv import BLOCK_SIZE
+from basert.engine.engine import Checkpoint, Engine, Lane
+from basert.engine.kv import BLOCK_SIZE, blocks_for
 from basert.engine.runner import ModelRunner
 
 MAGIC = b"BSLT"
@@ -91,8 +91,12 @@ def save_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
     return SnapshotInfo(n, path.stat().st_size)
 
 
-def restore_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
-    """Replace the lane's state with a snapshot; the file is fully validated first."""
+def restore_lane(engine: Engine, lane: Lane, path: Path) -> SnapshotInfo:
+    """Replace the lane's state with a snapshot; the file is fully validated first.
+
+    The restored full blocks join the prefix cache (when there is one), so other lanes can share them.
+    """
+    runner = engine.runner
     data = path.read_bytes()
     if len(data) < PREFIX.size:
         raise SnapshotError(f"snapshot is truncated ({len(data)} bytes)")
@@ -136,8 +140,8 @@ def restore_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
     offset += 4 * n
 
     seq = lane.sequence
-    runner.release(seq)
-    lane.checkpoint = None
+    lane.forget(runner)
+    engine.make_room(blocks_for(n))
     seq.block_table.ensure(n, runner.pool)
     blocks = seq.block_table.view()
     shape = (expected["n_kv_heads"], expected["head_dim"])
@@ -156,6 +160,7 @@ def restore_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
             _read_state(data, offset, state.conv, state.ssm)
             lane.checkpoint = Checkpoint(checkpoint_tokens, state)
     seq.tokens[:] = tokens.tolist()
+    engine.register_blocks(seq)
     return SnapshotInfo(n, len(data))
 
 

@@ -1,0 +1,166 @@
+"""Prefix cache: full KV blocks found again through a hash chain over their tokens, plus hybrid snapshots.
+
+A block's key is `xxh64(parent key, its 16 tokens, model fingerprint)`, so a key names the whole prefix up
+to the block's end. Blocks are registered as soon as they are full and are shared read-only (a lane writes
+only into blocks it owns; see `BlockPool.is_shared`). Unreferenced cached blocks wait in the pool's LRU
+queue and are evicted oldest first. Every hit is checked against the stored tokens and parent key, so a
+hash collision can never hand out the wrong KV.
+
+Hybrid models also need the recurrent (DeltaNet) state at the hit's end: snapshots are stored per key, and
+a hit only ends where one is stored. A snapshot is charged against the same budget as the KV: it holds
+as many pool blocks as its bytes would fill, released when its block is evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from basert.engine.kv import BLOCK_SIZE, BlockPool
+from basert.engine.sequence import RecurrentState
+
+ROOT_KEY = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    block: int
+    parent: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class StoredSnapshot:
+    state: RecurrentState
+    charged_blocks: list[int]
+
+
+@dataclass(slots=True)
+class CacheHit:
+    """The longest usable cached prefix: its blocks, their keys, and (hybrids) the state at its end."""
+
+    n_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    snapshot: RecurrentState | None = None
+
+
+class PrefixCache:
+    """Hash chain over full blocks of one model's KV pool."""
+
+    def __init__(self, pool: BlockPool, fingerprint: str, *, recurrent: bool = False,
+                 snapshot_cost_blocks: int = 1):
+        self.pool = pool
+        self.fingerprint = fingerprint.encode()
+        self.recurrent = recurrent
+        self.snapshot_cost_blocks = max(1, snapshot_cost_blocks)
+        self.entries: dict[int, CachedBlock] = {}
+        self.key_of_block: dict[int, int] = {}
+        self.snapshots: dict[int, StoredSnapshot] = {}
+        self.queries = 0
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        pool.on_evict = self._forget
+
+    def key(self, parent: int, tokens: Sequence[int]) -> int:
+        digest = xxhash.xxh64()
+        digest.update(parent.to_bytes(8, "little"))
+        digest.update(np.asarray(tokens, dtype=np.int32).tobytes())
+        digest.update(self.fingerprint)
+        return digest.intdigest()
+
+    # --- lookup -------------------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int], limit: int) -> CacheHit:
+        """The longest cached prefix of `tokens` of at most `limit` tokens (hybrids: ending on a snapshot).
+
+        Counts as one query; the hit's blocks are not retained (the caller adopts them).
+        """
+        self.queries += 1
+        self.query_tokens += len(tokens)
+        hit = CacheHit()
+        parent = ROOT_KEY
+        blocks: list[int] = []
+        keys: list[int] = []
+        for start in range(0, limit - BLOCK_SIZE + 1, BLOCK_SIZE):
+            chunk = tuple(tokens[start: start + BLOCK_SIZE])
+            key = self.key(parent, chunk)
+            entry = self.entries.get(key)
+            if entry is None or entry.parent != parent or entry.tokens != chunk:
+                break
+            blocks.append(entry.block)
+            keys.append(key)
+            parent = key
+            if not self.recurrent:
+                hit.n_tokens = len(blocks) * BLOCK_SIZE
+            elif key in self.snapshots:
+                hit.n_tokens = len(blocks) * BLOCK_SIZE
+                hit.snapshot = self.snapshots[key].state
+        n_blocks = hit.n_tokens // BLOCK_SIZE
+        hit.blocks = blocks[:n_blocks]
+        hit.keys = keys[:n_blocks]
+        return hit
+
+    def count_hit(self, n_tokens: int) -> None:
+        self.hit_tokens += n_tokens
+
+    # --- filling ------------------------------------------------------------------------------
+    def register(self, parent: int, tokens: Sequence[int], block: int) -> int:
+        """A full block's key; the block becomes shareable unless the same prefix is cached already."""
+        chunk = tuple(tokens)
+        if len(chunk) != BLOCK_SIZE:
+            raise ValueError(f"only full blocks of {BLOCK_SIZE} tokens are cached")
+        key = self.key(parent, chunk)
+        if key not in self.entries and block not in self.key_of_block:
+            self.entries[key] = CachedBlock(block, parent, chunk)
+            self.key_of_block[block] = key
+            self.pool.cached.add(block)
+        return key
+
+    def add_snapshot(self, key: int, state: RecurrentState) -> bool:
+        """Store the recurrent state at the end of the block with this key (False: no room or no such block)."""
+        if key in self.snapshots:
+            return True
+        if key not in self.entries or self.pool.n_available < self.snapshot_cost_blocks:
+            return False
+        charged = [self.pool.allocate() for _ in range(self.snapshot_cost_blocks)]
+        if key not in self.entries:  # the allocation evicted the block itself
+            for block in charged:
+                self.pool.release(block)
+            return False
+        self.snapshots[key] = StoredSnapshot(state.clone(), charged)
+        return True
+
+    def _forget(self, block: int) -> None:
+        """The pool evicted a cached block: drop its key and its snapshot."""
+        key = self.key_of_block.pop(block, None)
+        if key is None:
+            return
+        del self.entries[key]
+        stored = self.snapshots.pop(key, None)
+        if stored is not None:
+            for charged in stored.charged_blocks:
+                self.pool.release(charged)
+
+    def clear(self) -> None:
+        """Forget every cached block (unreferenced ones become free at once)."""
+        for block in list(self.key_of_block):
+            self.pool.uncache(block)
+            self._forget(block)
+
+    # --- reporting ----------------------------------------------------------------------------
+    @property
+    def n_cached_blocks(self) -> int:
+        return len(self.entries)
+
+    def stats(self) -> dict:
+        return {
+            "queries": self.queries,
+            "query_tokens": self.query_tokens,
+            "hit_tokens": self.hit_tokens,
+            "blocks_cached": len(self.entries),
+            "blocks_used": self.pool.n_used,
+            "snapshots": len(self.snapshots),
+        }
