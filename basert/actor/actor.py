@@ -18,6 +18,7 @@ from pathlib import Path
 import trio
 
 from basert.actor.messages import (
+    CacheSave,
     Cancel,
     Done,
     Failed,
@@ -32,6 +33,7 @@ from basert.actor.messages import (
 )
 from basert.actor.scheduler import DEFAULT_TOKEN_BUDGET, plan_step
 from basert.engine.engine import Engine, FailEvent, FinishEvent, TokenEvent
+from basert.engine.prefix_store import PrefixCacheFileError, load_prefix_cache, save_prefix_cache
 from basert.engine.snapshot import restore_lane, save_lane
 
 log = logging.getLogger("basert.actor")
@@ -56,10 +58,17 @@ class SlotOperationResult:
 class ModelActor:
     """Mailbox + engine of one model. Start `run()` in a nursery; stop it by cancelling that scope."""
 
-    def __init__(self, model_id: str, engine: Engine, token_budget: int = DEFAULT_TOKEN_BUDGET):
+    def __init__(self, model_id: str, engine: Engine, *, max_running: int = 1,
+                 token_budget: int = DEFAULT_TOKEN_BUDGET, cache_file: Path | None = None,
+                 cache_save_interval: float = 0.0):
         self.model_id = model_id
         self.engine = engine
+        self.max_running = max_running        # lanes generating at once (continuous batching: all of them)
         self.token_budget = token_budget
+        self.cache_file = cache_file
+        self.cache_save_interval = cache_save_interval
+        self.cache_save_failures = 0
+        self._next_cache_save = math.inf
         self.mailbox, self._inbox = trio.open_memory_channel[Message](math.inf)
         self.waiting: deque[Generate] = deque()
         self.admin: deque[Message] = deque()
@@ -69,10 +78,16 @@ class ModelActor:
 
     # --- the task -----------------------------------------------------------------------------
     async def run(self) -> None:
+        if self.cache_file is not None and self.cache_save_interval > 0:
+            self._next_cache_save = trio.current_time() + self.cache_save_interval
         async with self._inbox:
             while True:
                 if not (self.engine.has_work or self.waiting or self.admin):
-                    self._handle(await self._inbox.receive())
+                    with trio.move_on_at(self._next_cache_save):
+                        self._handle(await self._inbox.receive())
+                if trio.current_time() >= self._next_cache_save:
+                    await trio.to_thread.run_sync(self.save_prefix_cache)
+                    self._next_cache_save = trio.current_time() + self.cache_save_interval
                 while True:
                     try:
                         self._handle(self._inbox.receive_nowait())
@@ -110,8 +125,12 @@ class ModelActor:
 
     def _admit(self) -> None:
         still_waiting: deque[Generate] = deque()
+        running = sum(lane.busy for lane in self.engine.lanes)
         while self.waiting:
             message = self.waiting.popleft()
+            if running >= self.max_running:
+                still_waiting.append(message)
+                continue
             request = message.request
             if message.slot_hint is not None:
                 lanes = self.engine.lanes
@@ -128,6 +147,7 @@ class ModelActor:
                 self._reply(request.request_id, Failed(exc), final=True)
                 continue
             self.lane_requests[lane.index] = request.request_id
+            running += 1
         self.waiting = still_waiting
 
     def _dispatch(self, events) -> None:
@@ -187,8 +207,9 @@ class ModelActor:
         if isinstance(message, SlotList):
             return self.slot_list()
         if isinstance(message, Stats):
-            return {"model": self.model_id, "steps": self.steps, "waiting": len(self.waiting),
-                    "busy_slots": sum(lane.busy for lane in self.engine.lanes)}
+            return self.stats()
+        if isinstance(message, CacheSave):
+            return await trio.to_thread.run_sync(self.save_prefix_cache)
         lane = self._lane(message.slot)
         started = time.perf_counter()
         runner = self.engine.runner
@@ -208,6 +229,47 @@ class ModelActor:
         else:
             raise TypeError(f"unknown admin message {message!r}")
         return SlotOperationResult(message.slot, info.n_tokens, info.n_bytes, 1000 * (time.perf_counter() - started))
+
+    def stats(self) -> dict:
+        pool = self.engine.runner.pool
+        cache = self.engine.prefix_cache
+        return {"model": self.model_id, "steps": self.steps, "waiting": len(self.waiting),
+                "busy_slots": sum(lane.busy for lane in self.engine.lanes),
+                "kv_blocks_total": pool.n_blocks, "kv_blocks_used": pool.n_used,
+                "prefix_cache": cache.stats() if cache is not None else None,
+                "prefix_cache_save_failures": self.cache_save_failures}
+
+    # --- prefix cache file --------------------------------------------------------------------
+    def load_prefix_cache(self) -> int:
+        """Warm the prefix cache from its file; an unusable file is a warning and a cold start."""
+        cache, path = self.engine.prefix_cache, self.cache_file
+        if cache is None or path is None:
+            return 0
+        if not path.exists():
+            log.info("Prefix cache: no file at %s yet, starting cold", path)
+            return 0
+        try:
+            n = load_prefix_cache(self.engine.runner, cache, path)
+        except (OSError, PrefixCacheFileError) as exc:
+            log.warning("Prefix cache: ignoring %s (%s); starting cold", path, exc)
+            return 0
+        log.info("Prefix cache: warmed %d blocks from %s", n, path)
+        return n
+
+    def save_prefix_cache(self) -> int | None:
+        """Write the prefix cache file; a failure is a WARNING and counted, never raised. Blocks written."""
+        cache, path = self.engine.prefix_cache, self.cache_file
+        if cache is None or path is None:
+            return None
+        started = time.perf_counter()
+        try:
+            n = save_prefix_cache(self.engine.runner, cache, path)
+        except Exception as exc:  # a failed save must never take the server down
+            self.cache_save_failures += 1
+            log.warning("Prefix cache: could not save to %s: %s", path, exc)
+            return None
+        log.info("Prefix cache: saved %d blocks to %s in %.0f ms", n, path, 1000 * (time.perf_counter() - started))
+        return n
 
     def slot_list(self) -> list[dict]:
         rows = []

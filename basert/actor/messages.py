@@ -53,7 +53,14 @@ class Stats:
     reply: trio.MemorySendChannel
 
 
-Message = Generate | Cancel | SlotList | SlotSave | SlotRestore | SlotErase | Stats
+@dataclass(frozen=True, slots=True)
+class CacheSave:
+    """Write the prefix cache file now (replies with the number of blocks written, or None)."""
+
+    reply: trio.MemorySendChannel
+
+
+Message = Generate | Cancel | SlotList | SlotSave | SlotRestore | SlotErase | Stats | CacheSave
 
 
 @dataclass(frozen=True, slots=True)

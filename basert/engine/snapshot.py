@@ -9,9 +9,7 @@ A restore validates every length, the version and the model fingerprint before t
 from __future__ import annotations
 
 import json
-import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import numpy as np
 from basert.engine.engine import Checkpoint, Engine, Lane
 from basert.engine.kv import BLOCK_SIZE, blocks_for
 from basert.engine.runner import ModelRunner
+from basert.format.atomic import atomic_file
 
 MAGIC = b"BSLT"
 VERSION = 1
@@ -67,27 +66,19 @@ def save_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
     encoded = json.dumps(header).encode()
     n = seq.n_past
     blocks = seq.block_table.view()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(PREFIX.pack(MAGIC, VERSION, len(encoded)))
-            out.write(encoded)
-            out.write(np.asarray(seq.tokens, dtype=np.int32).tobytes())
-            for layer in range(runner.n_attention_layers):
-                out.write(np.ascontiguousarray(_kv_positions(runner.kv.k[layer], blocks, n)).tobytes())
-                out.write(np.ascontiguousarray(_kv_positions(runner.kv.v[layer], blocks, n)).tobytes())
-            if seq.recurrent is not None:
-                out.write(seq.recurrent.conv.tobytes())
-                out.write(seq.recurrent.ssm.tobytes())
-                if header["checkpoint_tokens"] is not None:
-                    out.write(lane.checkpoint.state.conv.tobytes())
-                    out.write(lane.checkpoint.state.ssm.tobytes())
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as out:
+        out.write(PREFIX.pack(MAGIC, VERSION, len(encoded)))
+        out.write(encoded)
+        out.write(np.asarray(seq.tokens, dtype=np.int32).tobytes())
+        for layer in range(runner.n_attention_layers):
+            out.write(np.ascontiguousarray(_kv_positions(runner.kv.k[layer], blocks, n)).tobytes())
+            out.write(np.ascontiguousarray(_kv_positions(runner.kv.v[layer], blocks, n)).tobytes())
+        if seq.recurrent is not None:
+            out.write(seq.recurrent.conv.tobytes())
+            out.write(seq.recurrent.ssm.tobytes())
+            if header["checkpoint_tokens"] is not None:
+                out.write(lane.checkpoint.state.conv.tobytes())
+                out.write(lane.checkpoint.state.ssm.tobytes())
     return SnapshotInfo(n, path.stat().st_size)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import xxhash
 
 from basert import __version__
+from basert.format.atomic import atomic_file
 from basert.format.quant import ALLOWED_GROUP_SIZES, DENSE_DTYPES, SCALE_DTYPES, QuantizedTensor, f32_to_bf16_bits
 
 MAGIC = b"BASE"
@@ -179,25 +180,15 @@ class BaseWriter:
             self._header["tensors"] = self._tensors
             header = json.dumps(self._header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
             blob_offset = align_up(16 + len(header), BLOB_ALIGN)
-            fd, tmp_path = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as out:
-                    out.write(MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)))
-                    out.write(header)
-                    out.write(bytes(blob_offset - 16 - len(header)))
-                    self._spool.seek(0)
-                    shutil.copyfileobj(self._spool, out, _COPY_CHUNK)
-                    out.flush()
-                    os.fsync(out.fileno())
-                # mkstemp creates 0600; a model file gets the usual umask-based mode.
-                os.chmod(tmp_path, 0o666 & ~_current_umask())
-                os.replace(tmp_path, self.path)
-            except BaseException:
-                Path(tmp_path).unlink(missing_ok=True)
-                raise
+            # The temp file is created 0600; a model file gets the usual umask-based mode.
+            with atomic_file(self.path, mode=0o666 & ~_current_umask()) as out:
+                out.write(MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)))
+                out.write(header)
+                out.write(bytes(blob_offset - 16 - len(header)))
+                self._spool.seek(0)
+                shutil.copyfileobj(self._spool, out, _COPY_CHUNK)
         finally:
             self._discard_spool()
-        self._fsync_directory()
 
     def abort(self) -> None:
         """Drop everything written so far; nothing is left at `path`."""
@@ -259,11 +250,3 @@ class BaseWriter:
     def _discard_spool(self) -> None:
         self._spool.close()
         self._spool_path.unlink(missing_ok=True)
-
-    def _fsync_directory(self) -> None:
-        # The rename is only durable once the directory entry is on disk.
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

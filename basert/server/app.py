@@ -229,9 +229,7 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
     @app.get("/metrics")
     async def metrics_endpoint():
         for model in catalog.models:
-            stats = await ask(model, Stats)
-            metrics.busy_slots.labels(model.model_id).set(stats["busy_slots"])
-            metrics.waiting.labels(model.model_id).set(stats["waiting"])
+            metrics.update_model(await ask(model, Stats))
         return Response(metrics.render(), mimetype="text/plain; version=0.0.4")
 
     # --- slots ----------------------------------------------------------------------------------

@@ -25,6 +25,12 @@ class ServedModel:
     aliases: set[str] = field(default_factory=set)
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def wants_segment_ends(self) -> bool:
+        """Whether requests should say where chat segments end (hybrid models snapshot there for the cache)."""
+        engine = self.actor.engine
+        return engine.hybrid and engine.prefix_cache is not None
+
     def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ApiError(400, f"model {self.model_id} has no tokenizer: send token ids to /v1/completions",

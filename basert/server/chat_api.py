@@ -9,6 +9,7 @@ from typing import AsyncIterator
 from basert.actor.messages import Done, Tokens
 from basert.chat.reasoning import ReasoningParser, opens_in_prompt
 from basert.chat.tool_calls import ToolCallParser, inject_tool_prompt, make_tool_parser
+from basert.engine.engine import common_prefix
 from basert.engine.sampler import TokenLogprob
 from basert.server.catalog import ServedModel
 from basert.server.errors import invalid
@@ -67,6 +68,7 @@ class ChatPlan:
     tools: list[dict] | None
     starts_in_reasoning: bool
     has_reasoning: bool
+    segment_ends: tuple[int, ...] = ()
 
 
 def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
@@ -81,13 +83,38 @@ def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
         # A grammar forces the answer to start at once: a reasoning block opened by the prompt would
         # swallow it, so thinking is off unless the request asks otherwise.
         kwargs.setdefault("enable_thinking", False)
+    template_tools = use_tools
     if use_tools and not template.supports_tools:
         messages = inject_tool_prompt(messages, use_tools)
-        rendered = template.render(messages, add_generation_prompt=True, **kwargs)
-    else:
-        rendered = template.render(messages, tools=use_tools, add_generation_prompt=True, **kwargs)
+        template_tools = None
+    rendered = template.render(messages, tools=template_tools, add_generation_prompt=True, **kwargs)
+    prompt = tokenizer.encode(rendered)
     has_reasoning = "<think>" in (tokenizer.chat_template or "") or "<think>" in rendered
-    return ChatPlan(tokenizer.encode(rendered), use_tools, opens_in_prompt(rendered), has_reasoning)
+    segment_ends = ()
+    if model.wants_segment_ends:
+        segment_ends = message_boundaries(model, messages, template_tools, kwargs, rendered, prompt)
+    return ChatPlan(prompt, use_tools, opens_in_prompt(rendered), has_reasoning, segment_ends)
+
+
+def message_boundaries(model: ServedModel, messages: list[dict], tools: list[dict] | None, kwargs: dict,
+                       rendered: str, prompt: list[int]) -> tuple[int, ...]:
+    """Token positions where the first message (the system prompt) and the earlier turns end.
+
+    A hybrid model's prefix cache snapshots its recurrent state there, so the next request that shares the
+    system prompt or the conversation so far resumes from it.
+    """
+    ends = set()
+    for n_messages in sorted({1, len(messages) - 1}):
+        if not 0 < n_messages < len(messages):
+            continue
+        try:
+            head = model.require_template().render(messages[:n_messages], tools=tools, add_generation_prompt=False,
+                                                   **kwargs)
+        except Exception:  # some templates refuse partial conversations (e.g. no user turn yet)
+            continue
+        if head and rendered.startswith(head):
+            ends.add(common_prefix(model.require_tokenizer().encode(head), prompt))
+    return tuple(sorted(end for end in ends if end > 0))
 
 
 def is_constrained(body: ChatCompletionRequest, tools: list[dict] | None) -> bool:
@@ -184,7 +211,7 @@ async def chat_completion(model: ServedModel, body: ChatCompletionRequest, limit
     requests = engine_requests(model, body, plan.prompt, max_tokens_of(body), limits,
                                logprobs=want_logprobs, top_logprobs=body.top_logprobs,
                                constraint_factory=constraint_factory_for(model, body, plan.tools),
-                               id_prefix=new_id("chatcmpl"))
+                               id_prefix=new_id("chatcmpl"), segment_ends=plan.segment_ends)
     record.prompt_tokens = len(plan.prompt)
     choices = ChoiceSet(model, requests)
     states = chat_states(model, plan, len(requests))

@@ -12,12 +12,13 @@ import re
 import secrets
 import shutil
 import stat
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from basert.format.atomic import atomic_file, fsync_directory
 
 MAX_FILENAME_LENGTH = 255
 _ID_PATTERN = re.compile(r"file-[0-9a-f]{24}")
@@ -224,28 +225,14 @@ class FilesStore:
 
     def _write_atomically(self, target: Path, content: bytes | BinaryIO) -> None:
         """Write `content` (bytes or a binary reader) to `target` via a synced temporary file and a rename."""
-        fd, temp_name = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as temp:
-                if isinstance(content, bytes):
-                    temp.write(content)
-                else:
-                    shutil.copyfileobj(content, temp)
-                temp.flush()
-                os.fsync(temp.fileno())
-            os.replace(temp_name, target)
-        except BaseException:
-            Path(temp_name).unlink(missing_ok=True)
-            raise
-        self._fsync_directory()
+        with atomic_file(target) as temp:
+            if isinstance(content, bytes):
+                temp.write(content)
+            else:
+                shutil.copyfileobj(content, temp)
 
     def _fsync_directory(self) -> None:
-        # The rename itself is durable only once the directory entry is synced.
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_directory(self.directory)
 
     def _data_path(self, file_id: str) -> Path:
         return self.directory / f"{file_id}.data"

@@ -39,7 +39,7 @@ def sampling_params(body: SamplingFields, choice: int, logprobs: bool, top_logpr
 
 def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int], max_tokens: int | None,
                     limits: ServerLimits, *, logprobs: bool, top_logprobs: int, constraint_factory=None,
-                    id_prefix: str) -> list[GenerationRequest]:
+                    id_prefix: str, segment_ends: tuple[int, ...] = ()) -> list[GenerationRequest]:
     """One GenerationRequest per choice (each with its own sampler seed and grammar matcher)."""
     if len(prompt) + 1 > model.n_ctx:
         raise ContextOverflowError(len(prompt), model.n_ctx)
@@ -60,6 +60,7 @@ def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int],
             constraint=constraint_factory() if constraint_factory else None,
             ignore_eos=body.ignore_eos,
             deadline=deadline,
+            segment_ends=segment_ends,
         ))
     return requests
 

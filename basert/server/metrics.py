@@ -25,5 +25,35 @@ class ServerMetrics:
         self.waiting = Gauge("basert_waiting_requests", "requests queued for a slot", ["model"],
                              registry=self.registry)
 
+        self.kv_blocks_used = Gauge("basert_kv_blocks_used", "KV blocks held by slots, the cache or snapshots",
+                                    ["model"], registry=self.registry)
+        self.kv_blocks_total = Gauge("basert_kv_blocks_total", "KV blocks in the pool", ["model"],
+                                     registry=self.registry)
+        self.prefix_queries = Gauge("basert_prefix_cache_queries", "prefix cache lookups so far", ["model"],
+                                    registry=self.registry)
+        self.prefix_hit_tokens = Gauge("basert_prefix_cache_hit_tokens", "prompt tokens served from the prefix "
+                                       "cache or the slot's own history so far", ["model"], registry=self.registry)
+        self.prefix_blocks_cached = Gauge("basert_prefix_cache_blocks_cached", "KV blocks findable in the prefix "
+                                          "cache", ["model"], registry=self.registry)
+        self.prefix_snapshots = Gauge("basert_prefix_cache_snapshots", "recurrent-state snapshots in the prefix "
+                                      "cache", ["model"], registry=self.registry)
+        self.prefix_save_failures = Gauge("basert_prefix_cache_save_failures", "failed prefix cache file saves",
+                                          ["model"], registry=self.registry)
+
+    def update_model(self, stats: dict) -> None:
+        """Set the per-model gauges from an actor's Stats reply."""
+        model = stats["model"]
+        self.busy_slots.labels(model).set(stats["busy_slots"])
+        self.waiting.labels(model).set(stats["waiting"])
+        self.kv_blocks_used.labels(model).set(stats["kv_blocks_used"])
+        self.kv_blocks_total.labels(model).set(stats["kv_blocks_total"])
+        cache = stats["prefix_cache"]
+        if cache is not None:
+            self.prefix_queries.labels(model).set(cache["queries"])
+            self.prefix_hit_tokens.labels(model).set(cache["hit_tokens"])
+            self.prefix_blocks_cached.labels(model).set(cache["blocks_cached"])
+            self.prefix_snapshots.labels(model).set(cache["snapshots"])
+            self.prefix_save_failures.labels(model).set(stats["prefix_cache_save_failures"])
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
