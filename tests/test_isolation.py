@@ -44,3 +44,17 @@ async def test_requests_equal_their_fresh_server_answers(name: str, plain: bool,
         # max_tokens, so its cut-off call is returned as content, never as a call.
         marker = '"lookup_key"' if name == "smollm2" else "<function=lookup_key>"
         assert all(marker in o.answer for o in outcomes), harness.report(outcomes)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen35-hybrid"])
+@pytest.mark.parametrize("plain", [False, True], ids=["tool-calls", "plain-chat"])
+async def test_continuous_batching_with_prefix_cache_equals_default_mode(name: str, plain: bool, smollm2_base: Path,
+                                                                         qwen35_chat_base: Path, tmp_path: Path):
+    """N = 1, 2, 4, 8 concurrent requests on 8 batched slots sharing a prefix cache; every answer equals the
+    answer of the default single-slot server computed from empty state."""
+    model, flags = model_and_flags(name, smollm2_base, qwen35_chat_base)
+    outcomes = await harness.run_harness(model, [*flags, "--continuous-batching", "8", "--prefix-cache"], 4,
+                                         [1, 2, 4, 8], plain, tmp_path, reference_flags=flags)
+    assert len(outcomes) == 4 + 15
+    print(harness.report(outcomes))
+    assert all(o.same for o in outcomes), harness.report(outcomes)

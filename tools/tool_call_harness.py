@@ -7,6 +7,10 @@ string), tool_choice "required", temperature 0), then groups of 2 and 4 concurre
 distinct keys. Each request is then sent alone to a freshly started server; the report says, per
 request, the tool call returned and whether it equals the fresh-server answer. With --plain, the
 requests are plain chat turns under a shared long system prompt instead (the answer is the text).
+
+With --reference-flags, the answers are compared with one reference server started with those flags
+instead (e.g. none: the default single-slot mode), whose slots are all erased before each request, so
+every reference answer is computed from an empty server just as on a fresh one.
 """
 
 from __future__ import annotations
@@ -78,8 +82,12 @@ def start_server(model: str, flags: list[str], log_dir: Path, name: str) -> Serv
 
 
 async def run_harness(model: str, flags: list[str], n: int, concurrency: list[int], plain: bool,
-                      log_dir: Path) -> list[Outcome]:
-    """All outcomes: sequential, then each concurrent group; each compared with a fresh server."""
+                      log_dir: Path, reference_flags: list[str] | None = None) -> list[Outcome]:
+    """All outcomes: sequential, then each concurrent group; each compared with a fresh server.
+
+    With `reference_flags`, one reference server (those flags) with its slots erased before each request
+    stands in for the fresh servers.
+    """
     outcomes: list[Outcome] = []
     server = await trio.to_thread.run_sync(start_server, model, flags, log_dir, "shared")
     try:
@@ -100,6 +108,9 @@ async def run_harness(model: str, flags: list[str], n: int, concurrency: list[in
                 outcomes += [Outcome(f"concurrent N={size} #{j + 1}", key, answers[key]) for j, key in enumerate(keys)]
     finally:
         server.stop()
+    if reference_flags is not None:
+        await answer_on_erased_server(model, reference_flags, outcomes, plain, log_dir)
+        return outcomes
     async with httpx.AsyncClient() as client:
         for index, outcome in enumerate(outcomes):
             fresh = await trio.to_thread.run_sync(start_server, model, flags, log_dir, f"fresh-{index}")
@@ -108,6 +119,21 @@ async def run_harness(model: str, flags: list[str], n: int, concurrency: list[in
             finally:
                 fresh.stop()
     return outcomes
+
+
+async def answer_on_erased_server(model: str, flags: list[str], outcomes: list[Outcome], plain: bool,
+                                  log_dir: Path) -> None:
+    """Each outcome's reference answer from one server whose every slot is erased before the request."""
+    server = await trio.to_thread.run_sync(start_server, model, flags, log_dir, "reference")
+    try:
+        async with httpx.AsyncClient() as client:
+            for outcome in outcomes:
+                slots = (await client.get(f"{server.url}/slots")).json()
+                for slot in slots:
+                    (await client.post(f"{server.url}/slots/{slot['id']}/erase")).raise_for_status()
+                outcome.fresh = await ask(client, server.url, outcome.key, plain)
+    finally:
+        server.stop()
 
 
 def report(outcomes: list[Outcome]) -> str:
@@ -126,11 +152,19 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[2, 4], help="concurrent group sizes")
     parser.add_argument("--plain", action="store_true", help="plain chat with a shared system prompt, no tools")
     parser.add_argument("--serve-flag", action="append", default=[], help="extra flag for basert serve (repeatable)")
+    parser.add_argument("--reference-flag", action="append", default=None,
+                        help="compare with one reference server started with these flags (repeatable; "
+                        "--reference-flag= for none), slots erased before each request, instead of a fresh "
+                        "server per request")
     parser.add_argument("--json", type=Path, help="also write the outcomes as JSON here")
     args = parser.parse_args()
     flags = [part for flag in args.serve_flag for part in flag.split("=", 1)]
+    reference = None
+    if args.reference_flag is not None:
+        reference = [part for flag in args.reference_flag if flag for part in flag.split("=", 1)]
     with tempfile.TemporaryDirectory() as tmp:
-        outcomes = trio.run(run_harness, args.model, flags, args.n, args.concurrency, args.plain, Path(tmp))
+        outcomes = trio.run(run_harness, args.model, flags, args.n, args.concurrency, args.plain, Path(tmp),
+                            reference)
     print(report(outcomes))
     if args.json:
         args.json.write_text(json.dumps([{"label": o.label, "key": o.key, "answer": o.answer, "fresh": o.fresh,
