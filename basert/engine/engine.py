@@ -4,7 +4,7 @@ Synchronous and free of I/O: the actor calls `admit`, `cancel` and `step(plan)` 
 plan from `lane_statuses()`), and relays the events. Each lane keeps its token history between requests
 until the KV pool needs the blocks back; a new request reuses the longest usable prefix, either the lane's
 own history (attention KV is truncated; a recurrent state resumes only from an exact extension or from the
-checkpoint taken just before the last prompt token) or a prefix-cache hit.
+checkpoints taken at chat-segment ends and just before the last prompt token) or a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ class FailEvent:
 Event = TokenEvent | FinishEvent | FailEvent
 
 
+MAX_LANE_CHECKPOINTS = 4
+
+
 class KVCacheTooSmallError(ValueError):
     """A prompt needs more KV blocks than the whole pool holds."""
 
@@ -161,7 +164,7 @@ class Lane:
         self.index = index
         self.sequence = sequence
         self.active: ActiveGeneration | None = None
-        self.checkpoint: Checkpoint | None = None
+        self.checkpoints: list[Checkpoint] = []   # hybrids: states at earlier points of the history, ascending
         self.last_used = 0
 
     @property
@@ -171,7 +174,16 @@ class Lane:
     def forget(self, runner: ModelRunner) -> None:
         """Drop the history: blocks back to the pool (cached ones stay findable), state zeroed."""
         runner.release(self.sequence)
-        self.checkpoint = None
+        self.checkpoints.clear()
+
+    def keep_checkpoint(self, n_tokens: int, state: RecurrentState) -> None:
+        """Remember the state after n_tokens (at most MAX_LANE_CHECKPOINTS; the first one, usually the
+        system prompt's end, is kept longest)."""
+        self.checkpoints = [c for c in self.checkpoints if c.n_tokens != n_tokens]
+        self.checkpoints.append(Checkpoint(n_tokens, state.clone()))
+        self.checkpoints.sort(key=lambda c: c.n_tokens)
+        if len(self.checkpoints) > MAX_LANE_CHECKPOINTS:
+            del self.checkpoints[1]
 
 
 class Engine:
@@ -227,11 +239,18 @@ class Engine:
         if not self.hybrid:
             return []
         n = len(request.prompt)
-        stops = {n - 1}  # the lane's checkpoint: a resent prompt resumes just before its last token
+        stops = set(self._lane_checkpoints_at(request))
         if self.prefix_cache is not None:
             aligned = [(p // BLOCK_SIZE) * BLOCK_SIZE for p in (*request.segment_ends, n, n - 1)]
             stops.update(p for p in aligned if 0 < p <= n)
         return sorted(p for p in stops if p > reused)
+
+    @staticmethod
+    def _lane_checkpoints_at(request: GenerationRequest) -> set[int]:
+        """Where a hybrid lane keeps its own checkpoints: segment ends (the next turn of a conversation
+        shares them) and just before the last prompt token (a resent prompt resumes there)."""
+        n = len(request.prompt)
+        return {p for p in request.segment_ends if 0 < p < n} | {n - 1}
 
     def _reuse_prefix(self, lane: Lane, prompt: list[int]) -> int:
         """Prepare the lane's sequence to continue after the longest reusable prefix; its length."""
@@ -259,10 +278,8 @@ class Engine:
         common = min(common_prefix(seq.tokens, prompt), limit)
         if seq.recurrent is None or common == seq.n_past:
             return common
-        checkpoint = lane.checkpoint
-        if checkpoint is not None and checkpoint.n_tokens <= common:
-            return checkpoint.n_tokens
-        return 0
+        usable = [c.n_tokens for c in lane.checkpoints if c.n_tokens <= common]
+        return max(usable, default=0)
 
     def _resume_own(self, lane: Lane, n_tokens: int) -> None:
         seq = lane.sequence
@@ -272,7 +289,9 @@ class Engine:
             lane.forget(self.runner)
             return
         if seq.recurrent is not None:
-            seq.recurrent.copy_from(lane.checkpoint.state)  # _own_reusable only resumes at the checkpoint
+            # _own_reusable only resumes at a checkpoint; later ones belong to the abandoned history.
+            lane.checkpoints = [c for c in lane.checkpoints if c.n_tokens <= n_tokens]
+            seq.recurrent.copy_from(lane.checkpoints[-1].state)
         self.runner.truncate_kv(seq, n_tokens)
 
     def cancel(self, request_id: str) -> bool:
@@ -392,7 +411,7 @@ class Engine:
             seq.block_keys.append(cache.register(parent, tokens, int(seq.block_table.ids[i])))
 
     def _capture(self, lane: Lane, gen: ActiveGeneration) -> None:
-        """At a stop, keep the recurrent state: as the lane's checkpoint and/or as a prefix-cache snapshot."""
+        """At a stop, keep the recurrent state: as a lane checkpoint and/or as a prefix-cache snapshot."""
         seq = lane.sequence
         n = seq.n_past
         while gen.stops and gen.stops[0] < n:
@@ -400,12 +419,8 @@ class Engine:
         if not gen.stops or gen.stops[0] != n:
             return
         gen.stops.pop(0)
-        if n == len(gen.request.prompt) - 1:
-            if lane.checkpoint is None:
-                lane.checkpoint = Checkpoint(n, seq.recurrent.clone())
-            else:
-                lane.checkpoint.state.copy_from(seq.recurrent)
-                lane.checkpoint.n_tokens = n
+        if n in self._lane_checkpoints_at(gen.request):
+            lane.keep_checkpoint(n, seq.recurrent)
         if self.prefix_cache is not None and n % BLOCK_SIZE == 0:
             self.prefix_cache.add_snapshot(seq.block_keys[n // BLOCK_SIZE - 1], seq.recurrent)
 

@@ -2,7 +2,7 @@
 
 Layout (little-endian): magic `BSLT`, u32 version (1), u32 header length, UTF-8 JSON header, then
 int32 token ids, per attention layer K then V as [n_tokens, n_kv_heads, head_dim] in the cache's
-element type, then (hybrids) the float32 conv and ssm states, then the checkpoint's if any.
+element type, then (hybrids) the float32 conv and ssm states, then those of each lane checkpoint.
 A restore validates every length, the version and the model fingerprint before touching the lane.
 """
 
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from basert.engine.engine import Checkpoint, Engine, Lane
+from basert.engine.engine import MAX_LANE_CHECKPOINTS, Checkpoint, Engine, Lane
 from basert.engine.kv import BLOCK_SIZE, blocks_for
 from basert.engine.runner import ModelRunner
 from basert.format.atomic import atomic_file
 
 MAGIC = b"BSLT"
-VERSION = 1
+VERSION = 2
 PREFIX = struct.Struct("<4sII")
 MAX_HEADER = 1 << 20
 
@@ -55,7 +55,7 @@ def _header(runner: ModelRunner, lane: Lane) -> dict:
         "head_dim": runner.config["head_dim"],
         "conv_shape": list(recurrent.conv.shape) if recurrent is not None else None,
         "ssm_shape": list(recurrent.ssm.shape) if recurrent is not None else None,
-        "checkpoint_tokens": lane.checkpoint.n_tokens if (recurrent is not None and lane.checkpoint) else None,
+        "checkpoints": [c.n_tokens for c in lane.checkpoints] if recurrent is not None else [],
     }
 
 
@@ -76,9 +76,9 @@ def save_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
         if seq.recurrent is not None:
             out.write(seq.recurrent.conv.tobytes())
             out.write(seq.recurrent.ssm.tobytes())
-            if header["checkpoint_tokens"] is not None:
-                out.write(lane.checkpoint.state.conv.tobytes())
-                out.write(lane.checkpoint.state.ssm.tobytes())
+            for checkpoint in lane.checkpoints:
+                out.write(checkpoint.state.conv.tobytes())
+                out.write(checkpoint.state.ssm.tobytes())
     return SnapshotInfo(n, path.stat().st_size)
 
 
@@ -112,15 +112,16 @@ def restore_lane(engine: Engine, lane: Lane, path: Path) -> SnapshotInfo:
             raise SnapshotError(f"snapshot {key} {header.get(key)!r} does not match this server's {expected[key]!r}")
     if not 0 <= n <= runner.max_context:
         raise SnapshotError(f"snapshot holds {n} tokens; the context window is {runner.max_context}")
-    checkpoint_tokens = header.get("checkpoint_tokens")
-    if checkpoint_tokens is not None and not (isinstance(checkpoint_tokens, int) and 0 <= checkpoint_tokens <= n):
-        raise SnapshotError("snapshot checkpoint position is invalid")
+    checkpoints = header.get("checkpoints")
+    if not isinstance(checkpoints, list) or not all(isinstance(c, int) and 0 <= c <= n for c in checkpoints) \
+            or (checkpoints and expected["conv_shape"] is None) or len(checkpoints) > MAX_LANE_CHECKPOINTS:
+        raise SnapshotError("snapshot checkpoint positions are invalid")
     kv_dtype = np.dtype(expected["kv_dtype"])
     kv_values = n * expected["n_kv_heads"] * expected["head_dim"]
     recurrent_values = 0
     if expected["conv_shape"] is not None:
         recurrent_values = int(np.prod(expected["conv_shape"]) + np.prod(expected["ssm_shape"]))
-    n_states = (1 + (checkpoint_tokens is not None)) if recurrent_values else 0
+    n_states = (1 + len(checkpoints)) if recurrent_values else 0
     offset = PREFIX.size + header_len
     size = 4 * n + 2 * runner.n_attention_layers * kv_values * kv_dtype.itemsize + 4 * recurrent_values * n_states
     if len(data) - offset != size:
@@ -146,10 +147,10 @@ def restore_lane(engine: Engine, lane: Lane, path: Path) -> SnapshotInfo:
             cache[blocks] = full.reshape(len(blocks), BLOCK_SIZE, *shape).transpose(0, 2, 1, 3)
     if seq.recurrent is not None:
         offset = _read_state(data, offset, seq.recurrent.conv, seq.recurrent.ssm)
-        if checkpoint_tokens is not None:
+        for n_tokens in checkpoints:
             state = seq.recurrent.clone()
-            _read_state(data, offset, state.conv, state.ssm)
-            lane.checkpoint = Checkpoint(checkpoint_tokens, state)
+            offset = _read_state(data, offset, state.conv, state.ssm)
+            lane.checkpoints.append(Checkpoint(n_tokens, state))
     seq.tokens[:] = tokens.tolist()
     engine.register_blocks(seq)
     return SnapshotInfo(n, len(data))

@@ -27,9 +27,8 @@ class ServedModel:
 
     @property
     def wants_segment_ends(self) -> bool:
-        """Whether requests should say where chat segments end (hybrid models snapshot there for the cache)."""
-        engine = self.actor.engine
-        return engine.hybrid and engine.prefix_cache is not None
+        """Whether requests should say where chat segments end (hybrid models keep their state there)."""
+        return self.actor.engine.hybrid
 
     def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

@@ -92,28 +92,31 @@ def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
     has_reasoning = "<think>" in (tokenizer.chat_template or "") or "<think>" in rendered
     segment_ends = ()
     if model.wants_segment_ends:
-        segment_ends = message_boundaries(model, messages, template_tools, kwargs, rendered, prompt)
+        segment_ends = message_boundaries(model, messages, rendered, prompt)
     return ChatPlan(prompt, use_tools, opens_in_prompt(rendered), has_reasoning, segment_ends)
 
 
-def message_boundaries(model: ServedModel, messages: list[dict], tools: list[dict] | None, kwargs: dict,
-                       rendered: str, prompt: list[int]) -> tuple[int, ...]:
-    """Token positions where the first message (the system prompt) and the earlier turns end.
+def message_boundaries(model: ServedModel, messages: list[dict], rendered: str, prompt: list[int]) -> tuple[int, ...]:
+    """Token positions where the first message (the system prompt) and the previous turn end.
 
-    A hybrid model's prefix cache snapshots its recurrent state there, so the next request that shares the
-    system prompt or the conversation so far resumes from it.
+    A hybrid model keeps its recurrent state there, so the next request that shares the system prompt or
+    the conversation so far resumes from it. Found by locating each message's text in the rendered prompt
+    (rendering a partial conversation is not possible with every template).
     """
+    tokenizer = model.require_tokenizer()
     ends = set()
-    for n_messages in sorted({1, len(messages) - 1}):
-        if not 0 < n_messages < len(messages):
+    cursor = 0
+    wanted = {0, len(messages) - 2}
+    for index, message in enumerate(messages[:-1]):
+        content = message.get("content")
+        if not isinstance(content, str) or not content:
             continue
-        try:
-            head = model.require_template().render(messages[:n_messages], tools=tools, add_generation_prompt=False,
-                                                   **kwargs)
-        except Exception:  # some templates refuse partial conversations (e.g. no user turn yet)
-            continue
-        if head and rendered.startswith(head):
-            ends.add(common_prefix(model.require_tokenizer().encode(head), prompt))
+        at = rendered.find(content, cursor)
+        if at < 0:
+            break
+        cursor = at + len(content)
+        if index in wanted:
+            ends.add(common_prefix(tokenizer.encode(rendered[:cursor]), prompt))
     return tuple(sorted(end for end in ends if end > 0))
 
 

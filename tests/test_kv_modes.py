@@ -1,0 +1,178 @@
+"""KV modes over HTTP, on SmolLM2 and on the tiny Qwen3.5-style hybrid: slot snapshots in every mode,
+prefix cache persistence across a restart, and shared-prefix traffic served from the cache.
+
+Each test reproduces a failure of the runtime this project replaces: a slot save that killed the process
+under paged KV, a cache file that was never written and a cache that never hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import FIXTURES
+from basert.server.launcher import ServerProcess
+
+SHARED_SYSTEM = " ".join(f"Rule {i}: answer the user briefly, in plain words, and never invent facts about item {i}."
+                         for i in range(40))
+QUESTIONS = ["What is two plus two?", "Name a primary color.", "Which planet is the largest?",
+             "What is the capital of France?", "How many legs has a spider?", "What is water made of?",
+             "Which animal barks?", "What comes after Monday?"]
+
+
+def installed(model: Path, models_dir: Path, org_name: str) -> Path:
+    """The model placed in a models directory as org/name/default/model.base, so its id is `org/name`."""
+    target = models_dir / org_name / "default" / "model.base"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        try:
+            os.link(model, target)
+        except OSError:
+            shutil.copy(model, target)
+    return target
+
+
+@pytest.fixture(params=["smollm2", "qwen35-hybrid"])
+def served(request, smollm2_base: Path, qwen35_chat_base: Path, tmp_path: Path):
+    """(model path inside a models dir, model id, base flags, env) for each model."""
+    models_dir = tmp_path / "models"
+    env = {"BASERT_MODELS_DIR": str(models_dir)}
+    if request.param == "smollm2":
+        return installed(smollm2_base, models_dir, "test-org/smollm2"), "test-org/smollm2", ["--threads", "2"], env
+    template = FIXTURES / "chat-templates" / "Qwen3.5-4B.jinja"
+    path = installed(qwen35_chat_base, models_dir, "test-org/qwen35-hybrid")
+    return path, "test-org/qwen35-hybrid", ["--chat-template", str(template)], env
+
+
+def chat(server: ServerProcess, question: str, *, slot: int | None = None, history: list[dict] | None = None,
+         max_tokens: int = 8) -> dict:
+    messages = [{"role": "system", "content": SHARED_SYSTEM}, *(history or []), {"role": "user", "content": question}]
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    if slot is not None:
+        body["id_slot"] = slot
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def text_of(response: dict) -> str:
+    return response["choices"][0]["message"].get("content") or ""
+
+
+def cached_of(response: dict) -> int:
+    return response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+FLAG_SETS = {
+    "contiguous": ["--slots", "2"],
+    "paged": ["--paged-kv", "--slots", "2"],
+    "prefix-cache": ["--prefix-cache", "--slots", "2"],
+    "paged-batching": ["--paged-kv", "--continuous-batching", "4"],
+    "cache-file": ["--prefix-cache-file", "{tmp}/pc", "--slots", "2"],
+}
+
+
+@pytest.mark.parametrize("mode", list(FLAG_SETS))
+def test_slot_save_and_restore_work_in_every_kv_mode(mode: str, served, tmp_path: Path):
+    path, _, flags, env = served
+    mode_flags = [flag.replace("{tmp}", str(tmp_path)) for flag in FLAG_SETS[mode]]
+    server = ServerProcess(path, *flags, *mode_flags, "--max-context", "1024", "--files-dir", str(tmp_path / "files"),
+                           log_path=tmp_path / "server.log", env=env)
+    try:
+        first = chat(server, QUESTIONS[0], slot=0)
+        saved = httpx.post(f"{server.url}/slots/0/save", json={}, timeout=60)
+        assert saved.status_code == 200, saved.text
+        saved = saved.json()
+        assert saved["file_id"].startswith("file-") and saved["n_saved"] > 0
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        restored = httpx.post(f"{server.url}/slots/1/restore", json={"file_id": saved["file_id"]}, timeout=60)
+        assert restored.status_code == 200, restored.text
+        assert restored.json()["n_restored"] == saved["n_saved"]
+        slots = httpx.get(f"{server.url}/slots").json()
+        assert slots[1]["cache_tokens"] == saved["n_saved"]
+        # The next turn of the conversation, on the restored slot and on the original one.
+        history = [{"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": text_of(first)}]
+        on_restored = chat(server, QUESTIONS[1], slot=1, history=history)
+        on_original = chat(server, QUESTIONS[1], slot=0, history=history)
+        assert text_of(on_restored) == text_of(on_original)
+        assert cached_of(on_restored) > 0             # the restored prefix is served from the restored blocks
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    finally:
+        assert server.stop() == 0, server.log_text()
+
+
+def read_cache_header(path: Path) -> dict:
+    data = path.read_bytes()
+    magic, version, header_len = struct.unpack_from("<4sII", data)
+    assert magic == b"BPXC" and version == 1
+    return json.loads(data[12: 12 + header_len])
+
+
+def test_prefix_cache_file_survives_a_restart(served, tmp_path: Path):
+    path, model_id, flags, env = served
+    cache_dir = tmp_path / "cache-dir" / "nested"          # created by the server
+    cache_flags = [*flags, "--max-context", "2048", "--prefix-cache-file", str(cache_dir / "pc")]
+    server = ServerProcess(path, *cache_flags, log_path=tmp_path / "first.log", env=env)
+    try:
+        answers = [text_of(chat(server, q)) for q in QUESTIONS[:3]]
+    finally:
+        assert server.stop() == 0, server.log_text()
+    cache_file = cache_dir / f"pc.{model_id.replace('/', '--')}"
+    assert cache_file.is_file(), server.log_text()
+    header = read_cache_header(cache_file)
+    assert header["n_blocks"] > 0
+    restarted = ServerProcess(path, *cache_flags, log_path=tmp_path / "second.log", env=env)
+    try:
+        first = chat(restarted, QUESTIONS[2])
+        match = re.search(r"warmed (\d+) blocks", restarted.log_text())
+        assert match and int(match.group(1)) > 0, restarted.log_text()
+        assert cached_of(first) >= 0.9 * shared_prefix_tokens(restarted)
+        assert text_of(first) == answers[2]
+    finally:
+        assert restarted.stop() == 0, restarted.log_text()
+
+
+def test_corrupt_or_foreign_cache_files_mean_a_cold_start(served, tmp_path: Path):
+    path, model_id, flags, env = served
+    cache_file = tmp_path / f"pc.{model_id.replace('/', '--')}"
+    for content in (b"BPXC" + b"\x01\x00\x00\x00" + b"\xff" * 40, b"garbage", b""):
+        cache_file.write_bytes(content)
+        server = ServerProcess(path, *flags, "--prefix-cache-file", str(tmp_path / "pc"),
+                               log_path=tmp_path / "server.log", env=env)
+        try:
+            assert "WARNING" in server.log_text() and "starting cold" in server.log_text()
+            assert cached_of(chat(server, QUESTIONS[0])) == 0
+        finally:
+            assert server.stop() == 0, server.log_text()
+
+
+def shared_prefix_tokens(server: ServerProcess) -> int:
+    response = httpx.post(f"{server.url}/tokenize", json={"content": SHARED_SYSTEM}, timeout=60)
+    return len(response.json()["tokens"])
+
+
+def test_shared_prefix_is_computed_once(served, tmp_path: Path):
+    path, _, flags, env = served
+    server = ServerProcess(path, *flags, "--max-context", "2048", "--prefix-cache", "--continuous-batching", "4",
+                           log_path=tmp_path / "server.log", env=env)
+    try:
+        shared = shared_prefix_tokens(server)
+        results = [chat(server, q) for q in QUESTIONS]
+        metrics = httpx.get(f"{server.url}/metrics").text
+    finally:
+        assert server.stop() == 0, server.log_text()
+    prefill_ms = [r["timings"]["prompt_ms"] for r in results]
+    for i, result in enumerate(results[1:], start=2):
+        assert cached_of(result) >= 0.9 * shared, f"request {i}: {result['usage']}"
+        assert prefill_ms[i - 1] <= prefill_ms[0] / 10, f"request {i}: {prefill_ms}"
+    assert re.search(r"basert_prefix_cache_hit_tokens\{[^}]*\} ([0-9.e+]+)", metrics)
+    print(f"shared prefix {shared} tokens; prefill ms {[round(ms, 1) for ms in prefill_ms]}; "
+          f"cached {[cached_of(r) for r in results]}")
