@@ -1,0 +1,78 @@
+"""Prefix cache files: a round trip restores the blocks and snapshots; damaged or foreign files are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from basert.engine.kv import BLOCK_SIZE
+from basert.engine.prefix_cache import PrefixCache
+from basert.engine.prefix_store import PrefixCacheFileError, load_prefix_cache, prefix_cache_file, save_prefix_cache
+from basert.engine.runner import ModelRunner
+from test_engine_lanes import make_engine, request, run
+
+
+def filled_engine(path: Path):
+    engine = make_engine(path, lanes=1, cache=True)
+    prompt = np.random.default_rng(3).integers(0, engine.runner.vocab_size, 70).tolist()
+    run(engine, [[request("a", prompt, segment_ends=(40,))]])
+    return engine, prompt
+
+
+def empty_cache(path: Path) -> tuple[ModelRunner, PrefixCache]:
+    runner = ModelRunner(path, max_context=512, kv_dtype=np.float16)
+    return runner, PrefixCache(runner.pool, runner.fingerprint, recurrent=runner.n_linear_layers > 0)
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3_5-tiny"])
+def test_round_trip_restores_blocks_kv_and_snapshots(name: str, tiny_f32_bases: dict[str, Path], tmp_path: Path):
+    engine, prompt = filled_engine(tiny_f32_bases[name])
+    path = tmp_path / "pc.bin"
+    saved = save_prefix_cache(engine.runner, engine.prefix_cache, path)
+    assert saved == engine.prefix_cache.n_cached_blocks == (70 + MAX_TOKENS_FED) // BLOCK_SIZE
+    runner, cache = empty_cache(tiny_f32_bases[name])
+    assert load_prefix_cache(runner, cache, path) == saved
+    before = engine.prefix_cache.lookup(prompt, len(prompt) - 1)
+    after = cache.lookup(prompt, len(prompt) - 1)
+    assert after.n_tokens == before.n_tokens > 0
+    for old, new in zip(before.blocks, after.blocks):
+        for layer in range(runner.n_attention_layers):
+            assert np.array_equal(engine.runner.kv.k[layer][old], runner.kv.k[layer][new])
+            assert np.array_equal(engine.runner.kv.v[layer][old], runner.kv.v[layer][new])
+    if runner.n_linear_layers:
+        assert np.array_equal(after.snapshot.ssm, before.snapshot.ssm)
+        assert len(cache.snapshots) == len(engine.prefix_cache.snapshots)
+
+
+MAX_TOKENS_FED = 5  # request() asks for 6 tokens; the last one is sampled but never fed
+
+
+def test_damaged_and_foreign_files_are_refused_without_side_effects(tiny_f32_bases: dict[str, Path],
+                                                                    tmp_path: Path):
+    engine, _ = filled_engine(tiny_f32_bases["qwen3-tiny"])
+    path = tmp_path / "pc.bin"
+    save_prefix_cache(engine.runner, engine.prefix_cache, path)
+    data = path.read_bytes()
+    runner, cache = empty_cache(tiny_f32_bases["qwen3-tiny"])
+    cases = {"truncated": data[:-3], "empty": b"", "magic": b"XXXX" + data[4:]}
+    header_len = int.from_bytes(data[8:12], "little")
+    n_blocks = json.loads(data[12: 12 + header_len])["n_blocks"]
+    flipped = bytearray(data)
+    flipped[12 + header_len + 16 * n_blocks + 2] ^= 0xFF    # a token of the first block: its key no longer matches
+    cases["token"] = bytes(flipped)
+    for label, content in cases.items():
+        path.write_bytes(content)
+        with pytest.raises(PrefixCacheFileError):
+            load_prefix_cache(runner, cache, path)
+        assert cache.n_cached_blocks == 0 and runner.pool.n_free == runner.pool.n_blocks, label
+    path.write_bytes(data)
+    other, other_cache = empty_cache(tiny_f32_bases["qwen3_5-tiny"])
+    with pytest.raises(PrefixCacheFileError, match="different model"):
+        load_prefix_cache(other, other_cache, path)
+
+
+def test_file_name_is_flat_beside_the_path(tmp_path: Path):
+    assert prefix_cache_file(tmp_path / "pc", "org/name") == tmp_path / "pc.org--name"
