@@ -46,7 +46,7 @@ def run(engine: Engine, batches: list[list[GenerationRequest]],
         while queue or engine.has_work:
             while queue and (lane := engine.free_lane(queue[0].prompt)) is not None:
                 engine.admit(queue.pop(0), lane)
-            plan = plan_step(engine.lane_statuses(), engine.available_blocks())
+            plan = plan_step(engine.prepare_step(), engine.available_blocks())
             if plans is not None:
                 plans.append(plan)
             for event in engine.step(plan):
@@ -139,3 +139,16 @@ def test_prompt_larger_than_the_pool_is_refused(model_path: Path):
     engine = make_engine(model_path, lanes=1, kv_tokens=4 * BLOCK_SIZE)
     with pytest.raises(ValueError, match="KV cache"):
         engine.admit(request("big", list(range(5 * BLOCK_SIZE))), engine.lanes[0])
+
+
+def test_concurrent_requests_compute_a_common_prefix_once(model_path: Path, fresh):
+    engine = make_engine(model_path, lanes=4, cache=True)
+    batch = prompts(engine.runner.vocab_size, shared=200)
+    plans = []
+    results = run(engine, [[request(f"r{i}", p, segment_ends=(200,)) for i, p in enumerate(batch)]], plans)
+    for i, p in enumerate(batch):
+        assert results[f"r{i}"][0] == fresh(p), f"request {i}"
+    # Admitted together with an empty cache; the oldest prefills first and the others adopt its blocks.
+    assert sorted(cached for _, cached in results.values()) == [0, 192, 192, 192]
+    fed = sum(n for plan in plans for _, n in plan.chunks)
+    assert fed == sum(len(p) for p in batch) - 3 * 192 + 4 * (MAX_TOKENS - 1)   # nothing computed twice

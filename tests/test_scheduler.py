@@ -55,3 +55,9 @@ def test_a_lane_alone_without_room_is_finished():
 def test_no_lanes_no_plan():
     plan = plan_step([], available_blocks=10)
     assert plan.chunks == () and not plan.preempt and not plan.starve
+
+
+def test_a_lane_waiting_for_an_older_lanes_prefix_gets_no_chunk():
+    waiting = LaneStatus(1, False, 300, 0, 0, 2, waits_for_prefix=True)
+    plan = plan_step([prefilling(0, 300, order=1), waiting], available_blocks=100, token_budget=512)
+    assert plan.chunks == ((0, 300),)

@@ -96,7 +96,7 @@ class ModelActor:
                 await self._run_admin()
                 self._admit()
                 if self.engine.has_work:
-                    plan = plan_step(self.engine.lane_statuses(), self.engine.available_blocks(), self.token_budget)
+                    plan = plan_step(self.engine.prepare_step(), self.engine.available_blocks(), self.token_budget)
                     events = await trio.to_thread.run_sync(self.engine.step, plan)
                     self.steps += 1
                     self._dispatch(events)

@@ -1,7 +1,8 @@
 """Scheduling policy of one model's actor: which lanes advance in the next step, and by how many tokens.
 
 Pure functions of the lanes' status, so they are tested without a model. Decoding lanes go first (one
-token each), then prefill chunks of the oldest requests up to the step's token budget. KV blocks are
+token each), then prefill chunks of the oldest requests up to the step's token budget (a lane whose
+prompt prefix an older lane is computing waits, to adopt those blocks from the prefix cache). KV blocks are
 granted oldest first; a lane that gets none waits. When no lane can move at all, the youngest lane that
 holds blocks is preempted (its KV is dropped and recomputed later), and a lane that could not grow even
 with the whole pool is finished.
@@ -24,6 +25,8 @@ def plan_step(lanes: Sequence[LaneStatus], available_blocks: int,
     stuck: list[LaneStatus] = []
     budget = token_budget
     for lane in sorted(lanes, key=lambda lane: (not lane.decoding, lane.order)):
+        if lane.waits_for_prefix:
+            continue
         want = 1 if lane.decoding else min(lane.max_chunk, budget)
         if want <= 0:
             continue

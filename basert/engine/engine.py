@@ -1,7 +1,7 @@
 """Engine: lanes (slots) that each run one generation request, advanced together by one batched forward.
 
 Synchronous and free of I/O: the actor calls `admit`, `cancel` and `step(plan)` (its scheduler decides the
-plan from `lane_statuses()`), and relays the events. Each lane keeps its token history between requests
+plan from `prepare_step()`), and relays the events. Each lane keeps its token history between requests
 until the KV pool needs the blocks back; a new request reuses the longest usable prefix, either the lane's
 own history (attention KV is truncated; a recurrent state resumes only from an exact extension or from the
 checkpoints taken at chat-segment ends and just before the last prompt token) or a prefix-cache hit.
@@ -17,7 +17,7 @@ import numpy as np
 
 from basert.chat.detokenizer import IncrementalDetokenizer
 from basert.engine.kv import BLOCK_SIZE, blocks_for
-from basert.engine.prefix_cache import ROOT_KEY, PrefixCache
+from basert.engine.prefix_cache import ROOT_KEY, CacheHit, PrefixCache
 from basert.engine.runner import ContextOverflowError, ForwardRequest, ModelRunner
 from basert.engine.sampler import Sampler, SamplingParams, TokenLogprob
 from basert.engine.sequence import RecurrentState, SequenceState
@@ -120,6 +120,7 @@ class LaneStatus:
     n_past: int
     n_blocks: int
     order: int              # admission order: lower is older
+    waits_for_prefix: bool = False  # an older lane is computing blocks this lane can then adopt from the cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +149,7 @@ class ActiveGeneration:
     cached_tokens: int
     order: int
     stops: list[int] = field(default_factory=list)  # positions where the recurrent state is captured, ascending
+    cache_version: int = -1         # prefix-cache version this lane last looked up
     generated: list[int] = field(default_factory=list)
     text: str = ""
     released: int = 0               # characters of text already sent
@@ -231,6 +233,7 @@ class Engine:
             cached_tokens=reused,
             order=self._admissions,
             stops=self._stops(request, reused),
+            cache_version=self.prefix_cache.version if self.prefix_cache is not None else -1,
             started=time.monotonic(),
         )
 
@@ -259,19 +262,43 @@ class Engine:
         cache = self.prefix_cache
         hit = cache.lookup(prompt, limit) if cache is not None else None
         if hit is not None and hit.n_tokens > own:
-            seq = lane.sequence
-            lane.forget(self.runner)
-            seq.block_table.adopt(hit.blocks, self.runner.pool)
-            seq.tokens.extend(prompt[: hit.n_tokens])
-            seq.block_keys.extend(hit.keys)
-            if seq.recurrent is not None:
-                seq.recurrent.copy_from(hit.snapshot)
+            self._adopt_hit(lane, prompt, hit)
             cache.count_hit(hit.n_tokens)
             return hit.n_tokens
         self._resume_own(lane, own)
         if cache is not None:
             cache.count_hit(own)
         return own
+
+    def _adopt_hit(self, lane: Lane, prompt: list[int], hit: CacheHit) -> None:
+        """Replace the lane's history with a prefix-cache hit."""
+        seq = lane.sequence
+        lane.forget(self.runner)
+        seq.block_table.adopt(hit.blocks, self.runner.pool)
+        seq.tokens.extend(prompt[: hit.n_tokens])
+        seq.block_keys.extend(hit.keys)
+        if seq.recurrent is not None:
+            seq.recurrent.copy_from(hit.snapshot)
+
+    def _catch_up(self, lane: Lane, gen: ActiveGeneration) -> None:
+        """A lane still prefilling its prompt adopts what other lanes cached since it was admitted.
+
+        The scheduler gives the prefill budget to the oldest request first, so of several concurrent
+        requests with a common prefix one computes it and the others then start from its blocks.
+        """
+        cache = self.prefix_cache
+        if gen.cache_version == cache.version or gen.next_token is not None or gen.generated:
+            return
+        gen.cache_version = cache.version
+        prompt = gen.request.prompt
+        hit = cache.lookup(prompt, len(prompt) - 1, count=False)
+        if hit.n_tokens <= lane.sequence.n_past:
+            return
+        self._adopt_hit(lane, prompt, hit)
+        cache.count_hit(hit.n_tokens - gen.cached_tokens)
+        gen.cached_tokens = hit.n_tokens
+        gen.pending = list(prompt[hit.n_tokens:])
+        gen.stops = self._stops(gen.request, hit.n_tokens)
 
     def _own_reusable(self, lane: Lane, prompt: list[int], limit: int) -> int:
         seq = lane.sequence
@@ -312,12 +339,15 @@ class Engine:
         return any(lane.busy for lane in self.lanes)
 
     # --- planning inputs ----------------------------------------------------------------------
-    def lane_statuses(self) -> list[LaneStatus]:
+    def prepare_step(self) -> list[LaneStatus]:
+        """Let prefilling lanes catch up with the prefix cache, then report every busy lane for planning."""
         statuses = []
         for lane in self.lanes:
             gen = lane.active
             if gen is None:
                 continue
+            if gen.pending and self.prefix_cache is not None:
+                self._catch_up(lane, gen)
             seq = lane.sequence
             max_chunk = 0
             if gen.pending:
@@ -327,8 +357,23 @@ class Engine:
                         max_chunk = min(max_chunk, stop - seq.n_past)
                         break
             statuses.append(LaneStatus(lane.index, not gen.pending, max_chunk, seq.n_past,
-                                       seq.block_table.n_blocks, gen.order))
+                                       seq.block_table.n_blocks, gen.order, self._waits_for_prefix(lane)))
         return statuses
+
+    def _waits_for_prefix(self, lane: Lane) -> bool:
+        """Whether an older lane still prefilling will cache blocks of this lane's prompt it has not computed."""
+        gen = lane.active
+        if self.prefix_cache is None or not gen.pending or gen.generated:
+            return False
+        prompt = gen.request.prompt
+        for other in self.lanes:
+            leader = other.active
+            if leader is None or leader.order > gen.order or other is lane or not leader.pending:
+                continue
+            shared = common_prefix(leader.request.prompt, prompt)
+            if (shared // BLOCK_SIZE) * BLOCK_SIZE > lane.sequence.n_past and other.sequence.n_past < shared:
+                return True
+        return False
 
     def available_blocks(self) -> int:
         """Blocks a step can use: free, evictable from the cache, or held only by idle lanes' histories."""

@@ -63,6 +63,7 @@ class PrefixCache:
         self.queries = 0
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.version = 0          # grows whenever a block or snapshot is added: a lookup may now hit more
         pool.on_evict = self._forget
 
     def key(self, parent: int, tokens: Sequence[int]) -> int:
@@ -73,13 +74,14 @@ class PrefixCache:
         return digest.intdigest()
 
     # --- lookup -------------------------------------------------------------------------------
-    def lookup(self, tokens: Sequence[int], limit: int) -> CacheHit:
+    def lookup(self, tokens: Sequence[int], limit: int, *, count: bool = True) -> CacheHit:
         """The longest cached prefix of `tokens` of at most `limit` tokens (hybrids: ending on a snapshot).
 
-        Counts as one query; the hit's blocks are not retained (the caller adopts them).
+        Counts as one query unless `count` is false; the hit's blocks are not retained (the caller adopts them).
         """
-        self.queries += 1
-        self.query_tokens += len(tokens)
+        if count:
+            self.queries += 1
+            self.query_tokens += len(tokens)
         hit = CacheHit()
         parent = ROOT_KEY
         blocks: list[int] = []
@@ -117,6 +119,7 @@ class PrefixCache:
             self.entries[key] = CachedBlock(block, parent, chunk)
             self.key_of_block[block] = key
             self.pool.cached.add(block)
+            self.version += 1
         return key
 
     def add_snapshot(self, key: int, state: RecurrentState) -> bool:
@@ -131,6 +134,7 @@ class PrefixCache:
                 self.pool.release(block)
             return False
         self.snapshots[key] = StoredSnapshot(state.clone(), charged)
+        self.version += 1
         return True
 
     def _forget(self, block: int) -> None:
