@@ -300,12 +300,12 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
  * DRAM, about the kernel's cache-resident speed); 2 to 8 KiB measured the same. */
 #define BASERT_PREFETCH_BYTES 2048
 
-/* Batches of up to this many activation rows stream; larger ones go through de-quantized tiles,
- * which de-quantize each weight once and win from about 4 rows on (measured). */
-#define BASERT_STREAM_MAX_M 3
+/* Batches of up to this many activation rows stream (decoding lanes together); larger ones go
+ * through de-quantized tiles. Streaming de-quantizes each weight once per 8 activation rows. */
+#define BASERT_STREAM_MAX_M 16
 
-/* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..3) activation rows
- * x + c * ldx: each de-quantized weight vector feeds C accumulators, each activation load R.
+/* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..8, R * C <= 8 when C > 3)
+ * activation rows x + c * ldx: each de-quantized weight vector feeds C accumulators.
  * The R * C accumulators are independent, which hides the FMA latency. GS: the group size as a
  * constant (0: read it from w), so that size gets a fully unrolled group loop. */
 BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int kind, const int sym, const ptrdiff_t GS,
@@ -313,7 +313,7 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
                                           ptrdiff_t ldy) {
     const ptrdiff_t k = w->k, k8 = k & ~(ptrdiff_t)7;
     const uint8_t *p[4];
-    bm_v8 acc[4][3];
+    bm_v8 acc[4][8];
     for (int r = 0; r < R; r++) {
         p[r] = w->data + (row + r) * w->row_bytes;
         for (int c = 0; c < C; c++) acc[r][c] = bm_zero();
@@ -321,12 +321,10 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
     if (bm_is_dense(kind)) {
         const ptrdiff_t esize = kind == BASERT_F32 ? 4 : 2;
         for (ptrdiff_t e = 0; e < k8; e += 8) {
-            bm_v8 xv[3];
-            for (int c = 0; c < C; c++) xv[c] = bm_load(x + c * ldx + e);
             for (int r = 0; r < R; r++) {
                 __builtin_prefetch(p[r] + e * esize + BASERT_PREFETCH_BYTES);
                 bm_v8 wv = bm_dense8(kind, p[r], e);
-                for (int c = 0; c < C; c++) acc[r][c] = bm_fma(xv[c], wv, acc[r][c]);
+                for (int c = 0; c < C; c++) acc[r][c] = bm_fma(bm_load(x + c * ldx + e), wv, acc[r][c]);
             }
         }
     } else {
@@ -358,11 +356,9 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
                 }
                 const ptrdiff_t e0 = (g0 + g) * gs;
                 for (ptrdiff_t e = e0; e < e0 + gs; e += 8) {
-                    bm_v8 xv[3];
-                    for (int c = 0; c < C; c++) xv[c] = bm_load(x + c * ldx + e);
                     for (int r = 0; r < R; r++) {
                         bm_v8 wv = bm_quant8(kind, sym, p[r], e, scale[r], bias[r]);
-                        for (int c = 0; c < C; c++) acc[r][c] = bm_fma(xv[c], wv, acc[r][c]);
+                        for (int c = 0; c < C; c++) acc[r][c] = bm_fma(bm_load(x + c * ldx + e), wv, acc[r][c]);
                     }
                 }
             }
@@ -374,23 +370,38 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
         else
             for (int r = 0; r < R; r++) total[r] = bm_hsum(acc[r][c]);
         for (int r = 0; r < R; r++) {
-            if (bm_is_dense(kind))
+            if (bm_is_dense(kind)) /* the K % 8 tail */
                 for (ptrdiff_t e = k8; e < k; e++) total[r] = fmaf(x[c * ldx + e], bm_dense1(kind, p[r], e), total[r]);
             y[c * ldy + row + r] = total[r];
         }
     }
 }
 
-/* All m activation rows against R weight rows, three activation rows at a time (the weight rows,
- * L1-resident after the first pass, are de-quantized again for each three). */
+/* All m (<= 3) activation rows against R weight rows. */
 BASERT_ALWAYS_INLINE void bm_stream_rows(const int R, const int kind, const int sym, const ptrdiff_t GS, const basert_weight *w,
                                          ptrdiff_t row, const float *x, ptrdiff_t ldx, ptrdiff_t m, float *y, ptrdiff_t ldy) {
-    for (ptrdiff_t c0 = 0; c0 < m; c0 += 3) {
+    if (m == 3) bm_stream_block(R, 3, kind, sym, GS, w, row, x, ldx, y, ldy);
+    else if (m == 2) bm_stream_block(R, 2, kind, sym, GS, w, row, x, ldx, y, ldy);
+    else bm_stream_block(R, 1, kind, sym, GS, w, row, x, ldx, y, ldy);
+}
+
+/* All m activation rows against one weight row, eight at a time (the row, L1-resident after the
+ * first pass, is de-quantized again for each eight). */
+BASERT_ALWAYS_INLINE void bm_stream_wide(const int kind, const int sym, const ptrdiff_t GS, const basert_weight *w,
+                                         ptrdiff_t row, const float *x, ptrdiff_t ldx, ptrdiff_t m, float *y, ptrdiff_t ldy) {
+    for (ptrdiff_t c0 = 0; c0 < m; c0 += 8) {
         const float *xc = x + c0 * ldx;
         float *yc = y + c0 * ldy;
-        if (m - c0 >= 3) bm_stream_block(R, 3, kind, sym, GS, w, row, xc, ldx, yc, ldy);
-        else if (m - c0 == 2) bm_stream_block(R, 2, kind, sym, GS, w, row, xc, ldx, yc, ldy);
-        else bm_stream_block(R, 1, kind, sym, GS, w, row, xc, ldx, yc, ldy);
+        switch (m - c0 >= 8 ? 8 : m - c0) {
+        case 8: bm_stream_block(1, 8, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
+        case 7: bm_stream_block(1, 7, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
+        case 6: bm_stream_block(1, 6, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
+        case 5: bm_stream_block(1, 5, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
+        case 4: bm_stream_block(1, 4, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
+        case 3: bm_stream_block(1, 3, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
+        case 2: bm_stream_block(1, 2, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
+        default: bm_stream_block(1, 1, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
+        }
     }
 }
 
@@ -399,6 +410,10 @@ BASERT_ALWAYS_INLINE void bm_stream_group(const int kind, const int sym, const p
     ptrdiff_t row = r0;
     /* Four weight rows for one activation row, two for several (four rows by three activation rows
      * spill registers and measured no faster). */
+    if (m > 3) {
+        for (; row < r1; row++) bm_stream_wide(kind, sym, GS, w, row, x, ldx, m, y, ldy);
+        return;
+    }
     if (m == 1)
         for (; row + 4 <= r1; row += 4) bm_stream_block(4, 1, kind, sym, GS, w, row, x, ldx, y, ldy);
     else
