@@ -20,8 +20,12 @@ import pytest
 from conftest import FIXTURES
 from basert.server.launcher import ServerProcess
 
-SHARED_SYSTEM = " ".join(f"Rule {i}: answer the user briefly, in plain words, and never invent facts about item {i}."
-                         for i in range(40))
+def system_prompt(n_rules: int) -> str:
+    return " ".join(f"Rule {i}: answer the user briefly, in plain words, and never invent facts about item {i}."
+                    for i in range(n_rules))
+
+
+SHARED_SYSTEM = system_prompt(40)    # about 950 tokens
 QUESTIONS = ["What is two plus two?", "Name a primary color.", "Which planet is the largest?",
              "What is the capital of France?", "How many legs has a spider?", "What is water made of?",
              "Which animal barks?", "What comes after Monday?"]
@@ -52,8 +56,8 @@ def served(request, smollm2_base: Path, qwen35_chat_base: Path, tmp_path: Path):
 
 
 def chat(server: ServerProcess, question: str, *, slot: int | None = None, history: list[dict] | None = None,
-         max_tokens: int = 8) -> dict:
-    messages = [{"role": "system", "content": SHARED_SYSTEM}, *(history or []), {"role": "user", "content": question}]
+         max_tokens: int = 8, system: str = SHARED_SYSTEM) -> dict:
+    messages = [{"role": "system", "content": system}, *(history or []), {"role": "user", "content": question}]
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "chat_template_kwargs": {"enable_thinking": False}}
     if slot is not None:
@@ -154,18 +158,21 @@ def test_corrupt_or_foreign_cache_files_mean_a_cold_start(served, tmp_path: Path
             assert server.stop() == 0, server.log_text()
 
 
-def shared_prefix_tokens(server: ServerProcess) -> int:
-    response = httpx.post(f"{server.url}/tokenize", json={"content": SHARED_SYSTEM}, timeout=60)
+def shared_prefix_tokens(server: ServerProcess, system: str = SHARED_SYSTEM) -> int:
+    response = httpx.post(f"{server.url}/tokenize", json={"content": system}, timeout=60)
     return len(response.json()["tokens"])
 
 
 def test_shared_prefix_is_computed_once(served, tmp_path: Path):
-    path, _, flags, env = served
-    server = ServerProcess(path, *flags, "--max-context", "2048", "--prefix-cache", "--continuous-batching", "4",
+    path, model_id, flags, env = served
+    # The tiny hybrid computes a short prefix in a few milliseconds: give it about 4,000 tokens, so the
+    # comparison is about prefill and not about per-request overhead.
+    system = SHARED_SYSTEM if "smollm2" in model_id else system_prompt(170)
+    server = ServerProcess(path, *flags, "--max-context", "8192", "--prefix-cache", "--continuous-batching", "4",
                            log_path=tmp_path / "server.log", env=env)
     try:
-        shared = shared_prefix_tokens(server)
-        results = [chat(server, q) for q in QUESTIONS]
+        shared = shared_prefix_tokens(server, system)
+        results = [chat(server, q, system=system) for q in QUESTIONS]
         metrics = httpx.get(f"{server.url}/metrics").text
     finally:
         assert server.stop() == 0, server.log_text()
