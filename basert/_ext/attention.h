@@ -119,30 +119,52 @@ static inline ptrdiff_t basert_kv_row(const int32_t *block_table, ptrdiff_t bloc
     return (ptrdiff_t)block_table[p / BASERT_KV_BLOCK] * block_stride + (p % BASERT_KV_BLOCK) * d;
 }
 
-/* out[0..d) = softmax(scale * q.k_p for p < n_pos) . v_p. k and v point at the kv head's rows in
- * block 0 (float or uint16_t as kv_f16 says); block_stride = elements per cache block; scores holds
- * n_pos floats of scratch. */
-static inline void basert_attend_row(const float *q, const void *k, const void *v, int kv_f16,
-                                     const int32_t *block_table, ptrdiff_t block_stride, ptrdiff_t n_pos,
-                                     ptrdiff_t d, float scale, float *scores, float *out) {
-    float top = -INFINITY;
-    for (ptrdiff_t p = 0; p < n_pos; p++) {
-        ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
-        float s = kv_f16 ? basert_dot_f16(q, (const uint16_t *)k + row, d) : basert_dot(q, (const float *)k + row, d);
-        s *= scale;
-        scores[p] = s;
-        if (s > top) top = s;
+/* Up to this many query rows that share a kv head are attended together, so each K and V row is
+ * read from memory once for all of them (long prompts would otherwise stream the cache per row). */
+#define BASERT_ATTN_MAX_ROWS 16
+
+/* out[r][0..d) = softmax(scale * q[r].k_p for p < n_pos[r]) . v_p for n_rows query rows of one kv
+ * head. k and v point at that head's rows in block 0 (float or uint16_t as kv_f16 says);
+ * block_stride = elements per cache block; scores holds n_rows * score_stride floats of scratch.
+ * Each row's arithmetic is the same whatever rows it is grouped with (its dot products, softmax sum
+ * and weighted sum of V run in a fixed order over its own positions), so results never depend on
+ * batching or on how a prompt was split. */
+static inline void basert_attend_rows(int n_rows, const float *const *q, const ptrdiff_t *n_pos, const void *k,
+                                      const void *v, int kv_f16, const int32_t *block_table, ptrdiff_t block_stride,
+                                      ptrdiff_t d, float scale, float *scores, ptrdiff_t score_stride,
+                                      float *const *out) {
+    float top[BASERT_ATTN_MAX_ROWS];
+    ptrdiff_t n_max = 0;
+    for (int r = 0; r < n_rows; r++) {
+        top[r] = -INFINITY;
+        if (n_pos[r] > n_max) n_max = n_pos[r];
     }
-    float inv_sum = 1.0f / basert_exp_shifted_sum(scores, top, n_pos);
-    memset(out, 0, (size_t)d * sizeof(float));
-    for (ptrdiff_t p = 0; p < n_pos; p++) {
+    for (ptrdiff_t p = 0; p < n_max; p++) {
         ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
-        if (kv_f16)
-            basert_axpy_f16(scores[p], (const uint16_t *)v + row, out, d);
-        else
-            basert_axpy(scores[p], (const float *)v + row, out, d);
+        for (int r = 0; r < n_rows; r++) {
+            if (p >= n_pos[r]) continue;
+            float s = kv_f16 ? basert_dot_f16(q[r], (const uint16_t *)k + row, d) : basert_dot(q[r], (const float *)k + row, d);
+            s *= scale;
+            scores[r * score_stride + p] = s;
+            if (s > top[r]) top[r] = s;
+        }
     }
-    basert_scale(inv_sum, out, d);
+    float inv_sum[BASERT_ATTN_MAX_ROWS];
+    for (int r = 0; r < n_rows; r++) {
+        inv_sum[r] = 1.0f / basert_exp_shifted_sum(scores + r * score_stride, top[r], n_pos[r]);
+        memset(out[r], 0, (size_t)d * sizeof(float));
+    }
+    for (ptrdiff_t p = 0; p < n_max; p++) {
+        ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
+        for (int r = 0; r < n_rows; r++) {
+            if (p >= n_pos[r]) continue;
+            if (kv_f16)
+                basert_axpy_f16(scores[r * score_stride + p], (const uint16_t *)v + row, out[r], d);
+            else
+                basert_axpy(scores[r * score_stride + p], (const float *)v + row, out[r], d);
+        }
+    }
+    for (int r = 0; r < n_rows; r++) basert_scale(inv_sum[r], out[r], d);
 }
 
 #endif

@@ -1,6 +1,6 @@
 # cython: language_level=3
 """Paged KV cache writes and causal GQA attention over it (blocks of 16 positions; float32 or
-float16 cache entries; GIL released, (token, head) rows in parallel)."""
+float16 cache entries; GIL released; groups of query rows sharing a kv head in parallel)."""
 
 import numpy as np
 cimport numpy as cnp
@@ -17,9 +17,10 @@ cnp.import_array()
 cdef extern from "attention.h" nogil:
     const int BASERT_KV_BLOCK
     void basert_store_f16(const float *x, uint16_t *dst, Py_ssize_t n)
-    void basert_attend_row(const float *q, const void *k, const void *v, int kv_f16, const int32_t *block_table,
-                           Py_ssize_t block_stride, Py_ssize_t n_pos, Py_ssize_t d, float scale, float *scores,
-                           float *out)
+    const int BASERT_ATTN_MAX_ROWS
+    void basert_attend_rows(int n_rows, const float *const *q, const Py_ssize_t *n_pos, const void *k, const void *v,
+                            int kv_f16, const int32_t *block_table, Py_ssize_t block_stride, Py_ssize_t d,
+                            float scale, float *scores, Py_ssize_t score_stride, float *const *out)
 
 
 cdef bint _check_cache(k_cache, v_cache, bint writable) except -1:
@@ -102,20 +103,49 @@ def attention(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[::1] blo
     cdef const char *kc = <const char *> cnp.PyArray_DATA(k_cache)
     cdef const char *vc = <const char *> cnp.PyArray_DATA(v_cache)
     cdef Py_ssize_t item = 2 if f16 else 4, group = H // n_kv
-    cdef Py_ssize_t block_stride = n_kv * BASERT_KV_BLOCK * d, n_max = start_pos + T, i, t, h, head_offset
+    cdef Py_ssize_t block_stride = n_kv * BASERT_KV_BLOCK * d, n_max = start_pos + T
+    # Work items: a tile of consecutive tokens x a chunk of the query heads of one kv head, at most
+    # BASERT_ATTN_MAX_ROWS rows, attended together so each K/V row is loaded once for all of them.
+    cdef Py_ssize_t heads_per_chunk = min(group, BASERT_ATTN_MAX_ROWS)
+    cdef Py_ssize_t chunks_per_group = (group + heads_per_chunk - 1) // heads_per_chunk
+    cdef Py_ssize_t tokens_per_item = max(1, BASERT_ATTN_MAX_ROWS // heads_per_chunk)
+    cdef Py_ssize_t per_tile = n_kv * chunks_per_group
+    cdef Py_ssize_t n_items = per_tile * ((T + tokens_per_item - 1) // tokens_per_item)
+    cdef Py_ssize_t i, t, h, t0, t1, h0, h1, kv_head, chunk, head_offset
+    cdef int n_rows
     cdef float *scores = NULL
+    cdef const float **rows_q = NULL
+    cdef float **rows_out = NULL
+    cdef Py_ssize_t *rows_pos = NULL
     cdef int failed = 0
     with nogil, parallel(num_threads=basert_threads_for(T * H * n_max * d)):
-        scores = <float *> malloc(n_max * sizeof(float))
-        for i in prange(T * H, schedule="dynamic"):
-            if scores == NULL:
+        scores = <float *> malloc(BASERT_ATTN_MAX_ROWS * n_max * sizeof(float))
+        rows_q = <const float **> malloc(BASERT_ATTN_MAX_ROWS * sizeof(float *))
+        rows_out = <float **> malloc(BASERT_ATTN_MAX_ROWS * sizeof(float *))
+        rows_pos = <Py_ssize_t *> malloc(BASERT_ATTN_MAX_ROWS * sizeof(Py_ssize_t))
+        for i in prange(n_items, schedule="dynamic"):
+            if scores == NULL or rows_q == NULL or rows_out == NULL or rows_pos == NULL:
                 failed += 1
                 continue
-            t = i // H
-            h = i % H
-            head_offset = (h // group) * BASERT_KV_BLOCK * d * item
-            basert_attend_row(&q[t, h, 0], kc + head_offset, vc + head_offset, f16, &block_table[0], block_stride,
-                              start_pos + t + 1, d, scale, scores, &out[t, h, 0])
+            t0 = (i // per_tile) * tokens_per_item
+            t1 = min(T, t0 + tokens_per_item)
+            kv_head = (i % per_tile) // chunks_per_group
+            chunk = (i % per_tile) % chunks_per_group
+            h0 = kv_head * group + chunk * heads_per_chunk
+            h1 = min(h0 + heads_per_chunk, (kv_head + 1) * group)
+            n_rows = 0
+            for t in range(t0, t1):
+                for h in range(h0, h1):
+                    rows_q[n_rows] = &q[t, h, 0]
+                    rows_out[n_rows] = &out[t, h, 0]
+                    rows_pos[n_rows] = start_pos + t + 1
+                    n_rows = n_rows + 1
+            head_offset = kv_head * BASERT_KV_BLOCK * d * item
+            basert_attend_rows(n_rows, rows_q, rows_pos, kc + head_offset, vc + head_offset, f16, &block_table[0],
+                               block_stride, d, scale, scores, n_max, rows_out)
         free(scores)
+        free(rows_q)
+        free(rows_out)
+        free(rows_pos)
     if failed:
         raise MemoryError(f"no memory for {n_max} attention scores")
