@@ -56,9 +56,9 @@ def served(request, smollm2_base: Path, qwen35_chat_base: Path, tmp_path: Path):
 
 
 def chat(server: ServerProcess, question: str, *, slot: int | None = None, history: list[dict] | None = None,
-         max_tokens: int = 8, system: str = SHARED_SYSTEM) -> dict:
+         max_tokens: int = 8, system: str = SHARED_SYSTEM, ignore_eos: bool = False) -> dict:
     messages = [{"role": "system", "content": system}, *(history or []), {"role": "user", "content": question}]
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos,
             "chat_template_kwargs": {"enable_thinking": False}}
     if slot is not None:
         body["id_slot"] = slot
@@ -183,3 +183,37 @@ def test_shared_prefix_is_computed_once(served, tmp_path: Path):
     assert re.search(r"basert_prefix_cache_hit_tokens\{[^}]*\} ([0-9.e+]+)", metrics)
     print(f"shared prefix {shared} tokens; prefill ms {[round(ms, 1) for ms in prefill_ms]}; "
           f"cached {[cached_of(r) for r in results]}")
+
+
+def test_slot_admin_runs_between_steps_while_other_slots_generate(served, tmp_path: Path):
+    path, _, flags, env = served
+    server = ServerProcess(path, *flags, "--max-context", "1024", "--continuous-batching", "2", "--prefix-cache",
+                           "--files-dir", str(tmp_path / "files"), log_path=tmp_path / "server.log", env=env)
+    try:
+        alone = text_of(chat(server, QUESTIONS[3], slot=1, max_tokens=400, ignore_eos=True))
+        chat(server, QUESTIONS[0], slot=0)
+        body = {"messages": [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": QUESTIONS[3]}],
+                "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True, "id_slot": 1,
+                "chat_template_kwargs": {"enable_thinking": False}}
+        pieces = []
+        admin = []
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    pieces.append(chunk["choices"][0]["delta"]["content"])
+                    if len(pieces) == 2:   # slot 1 is mid-generation: save, restore and erase slot 0
+                        assert httpx.get(f"{server.url}/slots").json()[1]["is_processing"]
+                        saved = httpx.post(f"{server.url}/slots/0/save", json={}, timeout=60)
+                        admin.append(saved.status_code)
+                        file_id = saved.json()["file_id"]
+                        admin.append(httpx.post(f"{server.url}/slots/0/restore", json={"file_id": file_id},
+                                                timeout=60).status_code)
+                        admin.append(httpx.post(f"{server.url}/slots/0/erase", timeout=60).status_code)
+                        assert httpx.get(f"{server.url}/slots").json()[0]["cache_tokens"] == 0
+        assert admin == [200, 200, 200]
+        assert "".join(pieces) == alone
+    finally:
+        assert server.stop() == 0, server.log_text()

@@ -188,3 +188,14 @@ def test_clear_frees_unreferenced_blocks():
     table.release_all(pool)
     cache.clear()
     assert pool.n_free == 4 and cache.n_cached_blocks == 0
+
+
+def test_snapshots_can_be_dropped_to_make_room():
+    pool = BlockPool(9)
+    cache = PrefixCache(pool, "model", recurrent=True, snapshot_cost_blocks=2)
+    _, keys = fill(cache, pool, tokens(0, 3))
+    for key in keys:
+        assert cache.add_snapshot(key, state(1.0))
+    assert pool.n_available == 0 and cache.snapshot_blocks == 6
+    cache.drop_snapshots_until(3)
+    assert pool.n_available == 4 and len(cache.snapshots) == 1 and keys[2] in cache.snapshots

@@ -376,11 +376,13 @@ class Engine:
         return False
 
     def available_blocks(self) -> int:
-        """Blocks a step can use: free, evictable from the cache, or held only by idle lanes' histories."""
+        """Blocks a step can use: free, evictable from the cache, held only by idle lanes' histories, or
+        charged for prefix-cache snapshots."""
         pool = self.runner.pool
         idle_only = sum(int(np.count_nonzero(pool.ref_counts[lane.sequence.block_table.view()] == 1))
                         for lane in self.lanes if not lane.busy)
-        return pool.n_available + idle_only
+        snapshots = self.prefix_cache.snapshot_blocks if self.prefix_cache is not None else 0
+        return pool.n_available + idle_only + snapshots
 
     @property
     def total_blocks(self) -> int:
@@ -436,13 +438,16 @@ class Engine:
         return events
 
     def make_room(self, n_blocks: int) -> None:
-        """Free idle lanes' histories, least recently used first, until n_blocks can be allocated."""
+        """Free idle lanes' histories (least recently used first), then prefix-cache snapshots (oldest
+        first), until n_blocks can be allocated."""
         pool = self.runner.pool
         for lane in sorted((lane for lane in self.lanes if not lane.busy), key=lambda lane: lane.last_used):
             if pool.n_available >= n_blocks:
                 return
             if lane.sequence.block_table.n_blocks:
                 lane.forget(self.runner)
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_snapshots_until(n_blocks)
 
     def register_blocks(self, seq: SequenceState) -> None:
         """Hand every newly filled block to the prefix cache."""

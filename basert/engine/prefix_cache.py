@@ -137,6 +137,18 @@ class PrefixCache:
         self.version += 1
         return True
 
+    @property
+    def snapshot_blocks(self) -> int:
+        """Pool blocks charged for the stored snapshots (all reclaimable by dropping snapshots)."""
+        return sum(len(stored.charged_blocks) for stored in self.snapshots.values())
+
+    def drop_snapshots_until(self, n_available: int) -> None:
+        """Drop snapshots, oldest first, until the pool has n_available blocks (or none is left)."""
+        while self.snapshots and self.pool.n_available < n_available:
+            key = next(iter(self.snapshots))
+            for charged in self.snapshots.pop(key).charged_blocks:
+                self.pool.release(charged)
+
     def _forget(self, block: int) -> None:
         """The pool evicted a cached block: drop its key and its snapshot."""
         key = self.key_of_block.pop(block, None)

@@ -45,6 +45,8 @@ def to_api_error(exc: BaseException) -> ApiError:
     from basert.actor.actor import SlotNotFoundError
     from basert.chat.grammar import GrammarError
     from basert.chat.template import ChatTemplateError
+    from basert.engine.engine import KVCacheTooSmallError
+    from basert.engine.kv import OutOfBlocksError
     from basert.engine.runner import ContextOverflowError
     from basert.engine.sampler import SamplingError
     from basert.engine.snapshot import SnapshotError
@@ -67,7 +69,10 @@ def to_api_error(exc: BaseException) -> ApiError:
         return not_found(str(exc), "slot_not_found")
     if isinstance(exc, FileNotFoundInStoreError):
         return not_found(str(exc), "file_not_found")
-    if isinstance(exc, (SnapshotError, UnsafeFilenameError, StoreFullError)):
+    if isinstance(exc, (SnapshotError, UnsafeFilenameError, StoreFullError, KVCacheTooSmallError)):
         return invalid(str(exc))
+    if isinstance(exc, OutOfBlocksError):
+        return ApiError(503, f"the KV cache is full ({exc}); retry when running requests finish",
+                        type="unavailable_error", code="kv_cache_full")
     log.exception("internal error", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
