@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import httpx
@@ -124,13 +125,18 @@ def test_prefix_cache_file_survives_a_restart(served, tmp_path: Path):
     path, model_id, flags, env = served
     cache_dir = tmp_path / "cache-dir" / "nested"          # created by the server
     cache_flags = [*flags, "--max-context", "2048", "--prefix-cache-file", str(cache_dir / "pc")]
-    server = ServerProcess(path, *cache_flags, log_path=tmp_path / "first.log", env=env)
+    cache_file = cache_dir / f"pc.{model_id.replace('/', '--')}"
+    server = ServerProcess(path, *cache_flags, "--prefix-cache-save-interval", "1", log_path=tmp_path / "first.log",
+                           env=env)
     try:
         answers = [text_of(chat(server, q)) for q in QUESTIONS[:3]]
+        deadline = time.monotonic() + 30
+        while not cache_file.is_file() and time.monotonic() < deadline:   # the periodic save
+            time.sleep(0.2)
+        assert cache_file.is_file(), server.log_text()
     finally:
         assert server.stop() == 0, server.log_text()
-    cache_file = cache_dir / f"pc.{model_id.replace('/', '--')}"
-    assert cache_file.is_file(), server.log_text()
+    assert "Prefix cache: saved" in (tmp_path / "first.log").read_text()
     header = read_cache_header(cache_file)
     assert header["n_blocks"] > 0
     restarted = ServerProcess(path, *cache_flags, log_path=tmp_path / "second.log", env=env)
