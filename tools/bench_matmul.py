@@ -107,24 +107,28 @@ def bench_shapes(threads: list[int], ms: list[int], min_time: float, rng: np.ran
     return results
 
 
+DECODE_MAX_M = 16  # batches up to this size are decode steps of several lanes
+
+
 def bench_model(threads: list[int], min_time: float, rng: np.random.Generator) -> list[Result]:
-    """Every matmul of SmolLM2-135M once, at M=1 (decode) and M=512 (prefill)."""
+    """Every matmul of SmolLM2-135M once, at M=1 (decode), 2, 4 and 8 (batched decode) and 512 (prefill)."""
     layers = [make_weight("base_q4", 32, False, n, k, rng) for _ in range(LAYERS) for n, k in LAYER_SHAPES]
     weights = layers + [make_weight("base_q8", 32, True, VOCAB, 576, rng)]
     size = sum(s for _, s in weights)
     flops_per_token = 2 * sum(w.n * w.k for w, _ in weights)
     lm_head_flops = 2 * VOCAB * 576
     results: list[Result] = []
-    for m in (1, 512):
+    for m in (1, 2, 4, 8, 512):
         xs = {k: rng.standard_normal((m, k), dtype=np.float32) for k in (576, 1536)}
         outs = [np.empty((m, w.n), dtype=np.float32) for w, _ in weights]
-        # Prefill needs logits for the last position only.
-        calls = [(xs[w.k][-1:] if w.n == VOCAB else xs[w.k], w, out[-1:] if w.n == VOCAB else out)
+        # Prefill needs logits for the last position only; batched decode for every row.
+        head_rows = m if m <= DECODE_MAX_M else 1
+        calls = [(xs[w.k][-head_rows:] if w.n == VOCAB else xs[w.k], w, out[-head_rows:] if w.n == VOCAB else out)
                  for (w, _), out in zip(weights, outs, strict=True)]
         for t in threads:
             mm.set_num_threads(t)
             s = seconds_per_call(lambda: [mm.matmul(x, w, out) for x, w, out in calls], min_time)
-            flops = (flops_per_token - lm_head_flops) * m + lm_head_flops
+            flops = (flops_per_token - lm_head_flops) * m + lm_head_flops * head_rows
             results.append(Result("smollm2-135m", f"{len(weights)} mats", str(m), t, s * 1e6, flops / s / 1e9,
                                   size / s / 1e9))
             print_row(results[-1])

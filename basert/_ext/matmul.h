@@ -301,11 +301,11 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
 #define BASERT_PREFETCH_BYTES 2048
 
 /* Batches of up to this many activation rows stream (decoding lanes together); larger ones go
- * through de-quantized tiles. Streaming de-quantizes each weight once per 8 activation rows. */
+ * through de-quantized tiles. Streaming de-quantizes each weight once per 4 activation rows. */
 #define BASERT_STREAM_MAX_M 16
 
-/* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..8, R * C <= 8 when C > 3)
- * activation rows x + c * ldx: each de-quantized weight vector feeds C accumulators.
+/* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..4, R * C <= 8) activation
+ * rows x + c * ldx: each de-quantized weight vector feeds C accumulators.
  * The R * C accumulators are independent, which hides the FMA latency. GS: the group size as a
  * constant (0: read it from w), so that size gets a fully unrolled group loop. */
 BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int kind, const int sym, const ptrdiff_t GS,
@@ -313,7 +313,7 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
                                           ptrdiff_t ldy) {
     const ptrdiff_t k = w->k, k8 = k & ~(ptrdiff_t)7;
     const uint8_t *p[4];
-    bm_v8 acc[4][8];
+    bm_v8 acc[4][4];
     for (int r = 0; r < R; r++) {
         p[r] = w->data + (row + r) * w->row_bytes;
         for (int c = 0; c < C; c++) acc[r][c] = bm_zero();
@@ -385,24 +385,13 @@ BASERT_ALWAYS_INLINE void bm_stream_rows(const int R, const int kind, const int 
     else bm_stream_block(R, 1, kind, sym, GS, w, row, x, ldx, y, ldy);
 }
 
-/* All m activation rows against one weight row, eight at a time (the row, L1-resident after the
- * first pass, is de-quantized again for each eight). */
-BASERT_ALWAYS_INLINE void bm_stream_wide(const int kind, const int sym, const ptrdiff_t GS, const basert_weight *w,
-                                         ptrdiff_t row, const float *x, ptrdiff_t ldx, ptrdiff_t m, float *y, ptrdiff_t ldy) {
-    for (ptrdiff_t c0 = 0; c0 < m; c0 += 8) {
-        const float *xc = x + c0 * ldx;
-        float *yc = y + c0 * ldy;
-        switch (m - c0 >= 8 ? 8 : m - c0) {
-        case 8: bm_stream_block(1, 8, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
-        case 7: bm_stream_block(1, 7, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
-        case 6: bm_stream_block(1, 6, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
-        case 5: bm_stream_block(1, 5, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
-        case 4: bm_stream_block(1, 4, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
-        case 3: bm_stream_block(1, 3, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
-        case 2: bm_stream_block(1, 2, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
-        default: bm_stream_block(1, 1, kind, sym, GS, w, row, xc, ldx, yc, ldy); break;
-        }
-    }
+/* All m activation rows against R weight rows, four at a time (then the last 1..3). */
+BASERT_ALWAYS_INLINE void bm_stream_quads(const int R, const int kind, const int sym, const ptrdiff_t GS,
+                                          const basert_weight *w, ptrdiff_t row, const float *x, ptrdiff_t ldx,
+                                          ptrdiff_t m, float *y, ptrdiff_t ldy) {
+    ptrdiff_t c0 = 0;
+    for (; c0 + 4 <= m; c0 += 4) bm_stream_block(R, 4, kind, sym, GS, w, row, x + c0 * ldx, ldx, y + c0 * ldy, ldy);
+    if (c0 < m) bm_stream_rows(R, kind, sym, GS, w, row, x + c0 * ldx, ldx, m - c0, y + c0 * ldy, ldy);
 }
 
 BASERT_ALWAYS_INLINE void bm_stream_group(const int kind, const int sym, const ptrdiff_t GS, const basert_weight *w, const float *x,
@@ -411,7 +400,8 @@ BASERT_ALWAYS_INLINE void bm_stream_group(const int kind, const int sym, const p
     /* Four weight rows for one activation row, two for several (four rows by three activation rows
      * spill registers and measured no faster). */
     if (m > 3) {
-        for (; row < r1; row++) bm_stream_wide(kind, sym, GS, w, row, x, ldx, m, y, ldy);
+        for (; row + 2 <= r1; row += 2) bm_stream_quads(2, kind, sym, GS, w, row, x, ldx, m, y, ldy);
+        for (; row < r1; row++) bm_stream_quads(1, kind, sym, GS, w, row, x, ldx, m, y, ldy);
         return;
     }
     if (m == 1)
