@@ -118,6 +118,41 @@ def test_attention_is_bit_identical_however_the_prompt_is_split(dtype: type) -> 
     assert np.array_equal(run_chunks(q, k, v, [5, 1, 64], np.arange(5, dtype=np.int32), 5, dtype), whole)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_sequences_batched_in_one_call_equal_each_alone(dtype: type) -> None:
+    """Decode rows and prefill chunks of different sequences, in one call, give each one's own bits."""
+    rng = np.random.default_rng(71)
+    H, n_kv, d, n_blocks = 6, 2, 16, 40
+    k_cache, v_cache = new_cache(n_blocks, n_kv, d, dtype)
+    # (tokens already cached, new tokens) per sequence, each with its own blocks.
+    shapes = [(0, 21), (37, 1), (16, 5), (50, 1)]
+    tables = np.zeros((len(shapes), 5), dtype=np.int32)
+    blocks = rng.permutation(n_blocks).astype(np.int32)
+    for i in range(len(shapes)):
+        tables[i] = blocks[5 * i: 5 * i + 5]
+    new = []
+    for i, (cached, n_new) in enumerate(shapes):
+        total = cached + n_new
+        k, v = (f32(rng.standard_normal((total, n_kv, d))) for _ in range(2))
+        if cached:
+            attn.kv_write(k_cache, v_cache, k[:cached], v[:cached], tables[i], 0)
+        new.append((f32(rng.standard_normal((n_new, H, d))), k[cached:], v[cached:]))
+    rows = np.cumsum([0] + [n for _, n in shapes[:-1]]).astype(np.int32)
+    lengths = np.array([n for _, n in shapes], dtype=np.int32)
+    starts = np.array([c for c, _ in shapes], dtype=np.int32)
+    q_all, k_all, v_all = (np.concatenate([part[j] for part in new]) for j in range(3))
+    batch_k, batch_v = k_cache.copy(), v_cache.copy()
+    attn.kv_write_batch(batch_k, batch_v, k_all, v_all, tables, rows, lengths, starts)
+    together = np.zeros_like(q_all)
+    attn.attention_batch(q_all, batch_k, batch_v, tables, rows, lengths, starts, 0.25, together)
+    for i, (q, k, v) in enumerate(new):
+        attn.kv_write(k_cache, v_cache, k, v, tables[i], int(starts[i]))
+        alone = np.zeros_like(q)
+        attn.attention(q, k_cache, v_cache, tables[i], int(starts[i]), 0.25, alone)
+        assert np.array_equal(together[rows[i]: rows[i] + lengths[i]], alone), f"sequence {i}"
+    assert np.array_equal(batch_k, k_cache) and np.array_equal(batch_v, v_cache)
+
+
 def test_softmax_subtracts_the_max() -> None:
     # Scores of several thousand would overflow exp without the shift; the top key must win outright.
     d, n_pos = 32, 40

@@ -1,13 +1,14 @@
 """Building blocks shared by the architectures: weights from a .base file, norms, attention, MLPs.
 
 Every block works on a flat activation matrix [T, D] holding the new tokens of all sequences in
-the batch; attention and DeltaNet walk the batch items for their per-sequence state. Scratch
-arrays come from a Workspace so that decoding allocates no array data per token.
+the batch; attention takes every sequence in one kernel call, DeltaNet walks the batch items for
+their per-sequence state. Scratch arrays come from a Workspace so that decoding allocates no array
+data per token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -87,6 +88,21 @@ class Batch:
     items: list[BatchItem]
     tokens: np.ndarray      # int32 [T]
     positions: np.ndarray   # int32 [T]
+    # The items' rows, lengths, start positions and block tables (zero-padded) as arrays, for kernels
+    # that take every sequence of the batch in one call.
+    rows: np.ndarray = field(init=False)
+    lengths: np.ndarray = field(init=False)
+    starts: np.ndarray = field(init=False)
+    tables: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = np.array([item.row for item in self.items], dtype=np.int32)
+        self.lengths = np.array([item.length for item in self.items], dtype=np.int32)
+        self.starts = np.array([item.start for item in self.items], dtype=np.int32)
+        width = max((len(item.block_table) for item in self.items), default=0)
+        self.tables = np.zeros((len(self.items), max(width, 1)), dtype=np.int32)
+        for i, item in enumerate(self.items):
+            self.tables[i, : len(item.block_table)] = item.block_table
 
     @property
     def n_tokens(self) -> int:
@@ -166,11 +182,9 @@ class Attention:
         self.rope.apply(k, batch.positions)
         attn = ws.get("attn.out", t, self.n_heads, hd)
         k_cache, v_cache = kv.k[self.kv_layer], kv.v[self.kv_layer]
-        for item in batch.items:
-            rows = slice(item.row, item.row + item.length)
-            table = item.block_table
-            attn_ext.kv_write(k_cache, v_cache, k[rows], v[rows], table, item.start)
-            attn_ext.attention(q[rows], k_cache, v_cache, table, item.start, self.scale, attn[rows])
+        attn_ext.kv_write_batch(k_cache, v_cache, k, v, batch.tables, batch.rows, batch.lengths, batch.starts)
+        attn_ext.attention_batch(q, k_cache, v_cache, batch.tables, batch.rows, batch.lengths, batch.starts,
+                                 self.scale, attn)
         flat = attn.reshape(t, self.n_heads * hd)
         if self.output_gate:
             ops.sigmoid_mul(flat, gate)
