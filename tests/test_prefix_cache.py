@@ -181,15 +181,6 @@ def test_snapshot_without_room_is_skipped():
     assert pool.n_used == 1
 
 
-def test_clear_frees_unreferenced_blocks():
-    pool = BlockPool(4)
-    cache = PrefixCache(pool, "model")
-    table, _ = fill(cache, pool, tokens(0, 2))
-    table.release_all(pool)
-    cache.clear()
-    assert pool.n_free == 4 and cache.n_cached_blocks == 0
-
-
 def test_snapshots_can_be_dropped_to_make_room():
     pool = BlockPool(9)
     cache = PrefixCache(pool, "model", recurrent=True, snapshot_cost_blocks=2)

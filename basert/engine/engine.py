@@ -384,10 +384,6 @@ class Engine:
         snapshots = self.prefix_cache.snapshot_blocks if self.prefix_cache is not None else 0
         return pool.n_available + idle_only + snapshots
 
-    @property
-    def total_blocks(self) -> int:
-        return self.runner.pool.n_blocks
-
     # --- stepping -----------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> list[Event]:
         """Carry out one plan: finish starved lanes, preempt, then one forward over the planned chunks."""

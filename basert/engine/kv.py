@@ -85,13 +85,6 @@ class BlockPool:
         """Whether writing into the block could change what someone else reads."""
         return self.ref_counts[block] > 1 or block in self.cached
 
-    def uncache(self, block: int) -> None:
-        """The prefix cache no longer hands this block out; unreferenced, it becomes free."""
-        self.cached.discard(block)
-        if block in self.evictable:
-            del self.evictable[block]
-            self.free_ids.append(block)
-
 
 class KVCache:
     """K and V of every attention layer, shaped [n_blocks, n_kv_heads, BLOCK_SIZE, head_dim]."""
@@ -125,10 +118,6 @@ class BlockTable:
     def __init__(self, max_blocks: int):
         self.ids = np.zeros(max_blocks, dtype=np.int32)
         self.n_blocks = 0
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.n_blocks * BLOCK_SIZE
 
     def view(self) -> np.ndarray:
         return self.ids[: self.n_blocks]

@@ -160,12 +160,6 @@ class PrefixCache:
             for charged in stored.charged_blocks:
                 self.pool.release(charged)
 
-    def clear(self) -> None:
-        """Forget every cached block (unreferenced ones become free at once)."""
-        for block in list(self.key_of_block):
-            self.pool.uncache(block)
-            self._forget(block)
-
     # --- reporting ----------------------------------------------------------------------------
     @property
     def n_cached_blocks(self) -> int:
