@@ -113,13 +113,17 @@ class Model:
         return logits
 
     def decode_step(self, token_id: int) -> np.ndarray:
-        """Append one token to the sequence; the logits for the next position."""
+        """Append one token to the sequence; the logits for the next position (a copy you may keep)."""
+        return self._decode(token_id).copy()
+
+    def _decode(self, token_id: int) -> np.ndarray:
+        """decode_step's logits as a scratch view, valid until the next forward (no allocation)."""
         return self.runner.forward([ForwardRequest(self.sequence, [int(token_id)])])[0][0]
 
     def _prefill(self, tokens: list[int]) -> tuple[np.ndarray, int]:
         reused = self._reuse_prefix(tokens)
         try:
-            logits = self.runner.forward([ForwardRequest(self.sequence, tokens[reused:])])[0][0]
+            logits = self.runner.forward([ForwardRequest(self.sequence, tokens[reused:])])[0][0].copy()
         except Exception:
             self.reset()
             raise
@@ -167,7 +171,7 @@ class Model:
             if stats.finish_reason == "callback":
                 break
             if index + 1 < max_tokens:
-                logits = self.decode_step(token)
+                logits = self._decode(token)
         else:
             stats.finish_reason = "length"
         stats.decode_seconds = time.perf_counter() - decode_started

@@ -17,9 +17,9 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def run_alone(runner: ModelRunner, prompt: list[int], decode: list[int]) -> list[np.ndarray]:
     seq = runner.new_sequence()
-    out = [runner.forward([ForwardRequest(seq, prompt, logits="all")])[0]]
+    out = [runner.forward([ForwardRequest(seq, prompt, logits="all")])[0].copy()]
     for token in decode:
-        out.append(runner.forward([ForwardRequest(seq, [token])])[0])
+        out.append(runner.forward([ForwardRequest(seq, [token])])[0].copy())
     runner.release(seq)
     return out
 
@@ -37,11 +37,12 @@ def test_batched_prefill_and_decode_equal_running_alone(runner: ModelRunner):
     decode = [[5, 17, 3], [9, 2, 44], [1, 1, 8]]
     alone = [run_alone(runner, p, d) for p, d in zip(batch_prompts, decode)]
     seqs = [runner.new_sequence() for _ in batch_prompts]
-    together = runner.forward([ForwardRequest(s, p, logits="all") for s, p in zip(seqs, batch_prompts)])
+    requests = [ForwardRequest(s, p, logits="all") for s, p in zip(seqs, batch_prompts)]
+    together = [r.copy() for r in runner.forward(requests)]
     for i in range(3):
         assert np.array_equal(together[i], alone[i][0]), f"prefill of sequence {i}"
     for step in range(3):
-        out = runner.forward([ForwardRequest(s, [d[step]]) for s, d in zip(seqs, decode)])
+        out = [r.copy() for r in runner.forward([ForwardRequest(s, [d[step]]) for s, d in zip(seqs, decode)])]
         for i in range(3):
             assert np.array_equal(out[i], alone[i][step + 1]), f"decode step {step} of sequence {i}"
     for seq in seqs:
@@ -54,6 +55,6 @@ def test_prompt_split_into_chunks_gives_identical_logits(runner: ModelRunner):
     whole = run_alone(runner, prompt, [])[0]
     seq = runner.new_sequence()
     pieces = [prompt[:16], prompt[16:17], prompt[17:50], prompt[50:]]
-    got = [runner.forward([ForwardRequest(seq, piece, logits="all")])[0] for piece in pieces]
+    got = [runner.forward([ForwardRequest(seq, piece, logits="all")])[0].copy() for piece in pieces]
     runner.release(seq)
     assert np.array_equal(np.concatenate(got), whole)

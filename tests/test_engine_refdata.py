@@ -26,7 +26,7 @@ def greedy_continue(runner: ModelRunner, seq, last_logits: np.ndarray, steps: in
         tokens.append(token)
         if len(tokens) == steps:
             break
-        logits = runner.forward([ForwardRequest(seq, [token])])[0][0]
+        logits = runner.forward([ForwardRequest(seq, [token])])[0][0].copy()
     return tokens
 
 
@@ -46,7 +46,7 @@ def test_tiny_model_matches_reference(name: str, prompt_index: int, tiny_runners
     ids = prompt["input_ids"]
     seq = runner.new_sequence()
     try:
-        all_logits = runner.forward([ForwardRequest(seq, ids, logits="all")])[0]
+        all_logits = runner.forward([ForwardRequest(seq, ids, logits="all")])[0].copy()
         last = all_logits[-1]
         expected_last = np.asarray(prompt["last_logits"], dtype=np.float32)
         assert np.max(np.abs(last - expected_last)) <= LOGIT_ATOL
@@ -62,7 +62,7 @@ def test_tiny_model_matches_reference(name: str, prompt_index: int, tiny_runners
     seq = runner.new_sequence()
     try:
         runner.forward([ForwardRequest(seq, ids[:split], logits="none")])
-        last = runner.forward([ForwardRequest(seq, ids[split:])])[0][0]
+        last = runner.forward([ForwardRequest(seq, ids[split:])])[0][0].copy()
         assert greedy_continue(runner, seq, last, len(prompt["two_piece"]["greedy"])) == prompt["two_piece"]["greedy"]
     finally:
         runner.release(seq)
@@ -76,7 +76,7 @@ def test_smollm2_greedy_and_top20_match_reference(smollm2_base: Path, fixtures_d
         items = prompts.items() if isinstance(prompts, dict) else [(p["name"], p) for p in prompts]
         for name, prompt in items:
             seq = runner.new_sequence()
-            last = runner.forward([ForwardRequest(seq, prompt["input_ids"])])[0][0]
+            last = runner.forward([ForwardRequest(seq, prompt["input_ids"])])[0][0].copy()
             top = prompt["last_top20"]
             ids = [entry[0] if isinstance(entry, list) else entry["id"] for entry in top]
             values = [entry[1] if isinstance(entry, list) else entry["logit"] for entry in top]

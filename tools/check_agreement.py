@@ -35,7 +35,7 @@ def main() -> int:
     for prompt in prompts:
         ids, greedy = prompt["input_ids"], prompt["greedy"]
         seq = runner.new_sequence()
-        logits = runner.forward([ForwardRequest(seq, ids + greedy[:-1], logits="all")])[0]
+        logits = runner.forward([ForwardRequest(seq, ids + greedy[:-1], logits="all")])[0].copy()
         runner.release(seq)
         predicted = np.argmax(logits[len(ids) - 1:], axis=1)
         matches = int(np.sum(predicted == np.asarray(greedy)))
@@ -43,11 +43,11 @@ def main() -> int:
         gap = float(np.max(np.abs(logits[len(ids) - 1][[t["id"] for t in top]] -
                                   np.asarray([t["logit"] for t in top], dtype=np.float32))))
         seq = runner.new_sequence()
-        last = runner.forward([ForwardRequest(seq, ids)])[0][0]
+        last = runner.forward([ForwardRequest(seq, ids)])[0][0].copy()
         free = []
         for _ in range(len(greedy)):
             free.append(int(np.argmax(last)))
-            last = runner.forward([ForwardRequest(seq, [free[-1]])])[0][0]
+            last = runner.forward([ForwardRequest(seq, [free[-1]])])[0][0].copy()
         runner.release(seq)
         exact += free == greedy
         agree += matches

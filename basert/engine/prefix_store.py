@@ -124,8 +124,8 @@ def load_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> in
     state_values = 0
     if expected["conv_shape"] is not None:
         state_values = int(np.prod(expected["conv_shape"]) + np.prod(expected["ssm_shape"]))
-    size = (n_blocks * (16 + 4 * BLOCK_SIZE) + 2 * runner.n_attention_layers * int(np.prod(kv_shape)) * kv_dtype.itemsize
-            + n_snapshots * (8 + 4 * state_values))
+    kv_bytes = 2 * runner.n_attention_layers * int(np.prod(kv_shape)) * kv_dtype.itemsize
+    size = n_blocks * (16 + 4 * BLOCK_SIZE) + kv_bytes + n_snapshots * (8 + 4 * state_values)
     offset = PREFIX.size + header_len
     if len(data) - offset != size:
         raise PrefixCacheFileError(f"payload is {len(data) - offset} bytes; {size} expected")

@@ -130,11 +130,14 @@ class ModelRunner:
     def forward(self, requests: list[ForwardRequest]) -> list[np.ndarray | None]:
         """Append each request's tokens to its sequence; logits [n, vocab] per request as asked.
 
+        The logits are views of a scratch array, valid until the next forward: copy what you keep.
         On an exception the sequences in this call are left inconsistent: reset them.
         """
         if mm.get_num_threads() != self.threads:
             # OpenMP's thread count is per calling thread: the server steps in a worker thread.
             mm.set_num_threads(self.threads)
+        n_rows = 0
+        n_logits = 0
         for request in requests:
             n_new = len(request.tokens)
             if n_new == 0:
@@ -142,15 +145,24 @@ class ModelRunner:
             end = request.sequence.n_past + n_new
             if end > self.max_context:
                 raise ContextOverflowError(end, self.max_context)
-            ids = np.asarray(request.tokens)
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
+            if min(request.tokens) < 0 or max(request.tokens) >= self.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+            n_rows += n_new
+            n_logits += {"last": 1, "all": n_new, "none": 0}[request.logits]
+        # Every array of the batch lives in the workspace: a decode step allocates no array data.
+        ws = self.workspace
+        n_items = len(requests)
+        tokens = ws.get("batch.tokens", n_rows, dtype=np.int32)
+        positions = ws.get("batch.positions", n_rows, dtype=np.int32)
+        logit_rows = ws.get("batch.logit_rows", n_logits, dtype=np.int64)
+        rows = ws.get("batch.rows", n_items, dtype=np.int32)
+        lengths = ws.get("batch.lengths", n_items, dtype=np.int32)
+        starts = ws.get("batch.starts", n_items, dtype=np.int32)
+        tables = ws.get("batch.tables", n_items, self.max_blocks_per_sequence, dtype=np.int32)
         items = []
-        token_chunks = []
-        position_chunks = []
-        logit_rows = []
         row = 0
-        for request in requests:
+        picked = 0
+        for i, request in enumerate(requests):
             seq = request.sequence
             n_new = len(request.tokens)
             end = seq.n_past + n_new
@@ -161,18 +173,23 @@ class ModelRunner:
             items.append(BatchItem(row, n_new, seq.n_past, seq.block_table.view(),
                                    recurrent.conv if recurrent else None,
                                    recurrent.ssm if recurrent else None))
-            token_chunks.append(np.asarray(request.tokens, dtype=np.int32))
-            position_chunks.append(np.arange(seq.n_past, end, dtype=np.int32))
+            if n_new == 1:
+                tokens[row] = request.tokens[0]
+                positions[row] = seq.n_past
+            else:
+                tokens[row: row + n_new] = request.tokens
+                positions[row: row + n_new] = np.arange(seq.n_past, end, dtype=np.int32)
             if request.logits == "last":
-                logit_rows.append(np.array([row + n_new - 1]))
+                logit_rows[picked] = row + n_new - 1
+                picked += 1
             elif request.logits == "all":
-                logit_rows.append(np.arange(row, row + n_new))
+                logit_rows[picked: picked + n_new] = np.arange(row, row + n_new)
+                picked += n_new
+            rows[i], lengths[i], starts[i] = row, n_new, seq.n_past
+            tables[i, : seq.block_table.n_blocks] = seq.block_table.view()
             row += n_new
-        tokens = np.concatenate(token_chunks) if len(token_chunks) > 1 else token_chunks[0]
-        positions = np.concatenate(position_chunks) if len(position_chunks) > 1 else position_chunks[0]
-        rows = np.concatenate(logit_rows).astype(np.int64) if logit_rows else np.zeros(0, dtype=np.int64)
-        batch = Batch(items, tokens, positions)
-        logits = self.model.forward(batch, self.kv, self.workspace, rows)
+        batch = Batch(items, tokens, positions, rows, lengths, starts, tables)
+        logits = self.model.forward(batch, self.kv, self.workspace, logit_rows)
         results: list[np.ndarray | None] = []
         used = 0
         for request in requests:

@@ -8,7 +8,7 @@ data per token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -25,11 +25,11 @@ class Workspace:
     def __init__(self) -> None:
         self.arrays: dict[str, np.ndarray] = {}
 
-    def get(self, name: str, rows: int, *shape: int) -> np.ndarray:
-        """A [rows, *shape] float32 view of the scratch array `name` (contents undefined)."""
+    def get(self, name: str, rows: int, *shape: int, dtype: type = np.float32) -> np.ndarray:
+        """A [rows, *shape] view of the scratch array `name` (contents undefined)."""
         array = self.arrays.get(name)
-        if array is None or array.shape[0] < rows or array.shape[1:] != shape:
-            array = np.empty((max(rows, 1), *shape), dtype=np.float32)
+        if array is None or array.shape[0] < rows or array.shape[1:] != shape or array.dtype != dtype:
+            array = np.empty((max(rows, 1), *shape), dtype=dtype)
             self.arrays[name] = array
         return array[:rows]
 
@@ -90,19 +90,10 @@ class Batch:
     positions: np.ndarray   # int32 [T]
     # The items' rows, lengths, start positions and block tables (zero-padded) as arrays, for kernels
     # that take every sequence of the batch in one call.
-    rows: np.ndarray = field(init=False)
-    lengths: np.ndarray = field(init=False)
-    starts: np.ndarray = field(init=False)
-    tables: np.ndarray = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.rows = np.array([item.row for item in self.items], dtype=np.int32)
-        self.lengths = np.array([item.length for item in self.items], dtype=np.int32)
-        self.starts = np.array([item.start for item in self.items], dtype=np.int32)
-        width = max((len(item.block_table) for item in self.items), default=0)
-        self.tables = np.zeros((len(self.items), max(width, 1)), dtype=np.int32)
-        for i, item in enumerate(self.items):
-            self.tables[i, : len(item.block_table)] = item.block_table
+    rows: np.ndarray        # int32 [n_items]
+    lengths: np.ndarray     # int32 [n_items]
+    starts: np.ndarray      # int32 [n_items]
+    tables: np.ndarray      # int32 [n_items, max blocks per sequence]
 
     @property
     def n_tokens(self) -> int:

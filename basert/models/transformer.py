@@ -28,7 +28,8 @@ class DecoderModel:
         self.layers = layers
 
     def forward(self, batch: Batch, kv: KVTensors, ws: Workspace, logit_rows: np.ndarray) -> np.ndarray:
-        """Run all layers over the batch; logits [len(logit_rows), vocab] for the given rows."""
+        """Run all layers over the batch; logits [len(logit_rows), vocab] for the given rows (a view of
+        the workspace, valid until the next forward)."""
         t = batch.n_tokens
         x = ws.get("hidden", t, self.hidden)
         mm.embed_rows(self.embed, batch.tokens, x)
@@ -40,6 +41,6 @@ class DecoderModel:
         picked = ws.get("head.in", n, self.hidden)
         np.take(x, logit_rows, axis=0, out=picked)
         normed = self.final_norm(picked, ws.get("head.normed", n, self.hidden))
-        logits = np.empty((n, self.vocab), dtype=np.float32)
+        logits = ws.get("logits", n, self.vocab)
         mm.matmul(normed, self.head, logits)
         return logits
