@@ -11,8 +11,6 @@ atomically; a load validates every length, the fingerprint and every key before 
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +21,10 @@ from basert.engine.prefix_cache import PrefixCache
 from basert.engine.runner import ModelRunner
 from basert.engine.sequence import RecurrentState
 from basert.format.atomic import atomic_file
+from basert.format.framed import read_frame, write_frame
 
 MAGIC = b"BPXC"
 VERSION = 1
-PREFIX = struct.Struct("<4sII")
-MAX_HEADER = 1 << 20
 
 
 class PrefixCacheFileError(ValueError):
@@ -59,11 +56,9 @@ def save_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> in
     snapshots = [(key, stored.state) for key, stored in cache.snapshots.items() if key in cache.entries]
     header = _layout(runner, runner.new_sequence().recurrent if runner.n_linear_layers else None)
     header.update(n_blocks=len(entries), n_snapshots=len(snapshots))
-    encoded = json.dumps(header).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as out:
-        out.write(PREFIX.pack(MAGIC, VERSION, len(encoded)))
-        out.write(encoded)
+        write_frame(out, MAGIC, VERSION, header)
         out.write(np.array([key for key, _ in entries], dtype=np.uint64).tobytes())
         out.write(np.array([entry.parent for _, entry in entries], dtype=np.uint64).tobytes())
         out.write(np.array([entry.tokens for _, entry in entries], dtype=np.int32).reshape(-1).tobytes())
@@ -96,17 +91,8 @@ def load_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> in
     Raises PrefixCacheFileError (or OSError) without changing anything when the file is unusable.
     """
     data = path.read_bytes()
-    if len(data) < PREFIX.size:
-        raise PrefixCacheFileError(f"file is truncated ({len(data)} bytes)")
-    magic, version, header_len = PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise PrefixCacheFileError("not a prefix cache file (bad magic)")
-    if version != VERSION:
-        raise PrefixCacheFileError(f"version {version} is not supported (only {VERSION})")
-    if header_len > MAX_HEADER or PREFIX.size + header_len > len(data):
-        raise PrefixCacheFileError("header runs past the end of the file")
+    header, offset = read_frame(data, MAGIC, VERSION, "prefix cache file", PrefixCacheFileError)
     try:
-        header = json.loads(data[PREFIX.size: PREFIX.size + header_len])
         n_blocks = int(header["n_blocks"])
         n_snapshots = int(header["n_snapshots"])
     except (ValueError, KeyError, TypeError) as exc:
@@ -126,7 +112,6 @@ def load_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> in
         state_values = int(np.prod(expected["conv_shape"]) + np.prod(expected["ssm_shape"]))
     kv_bytes = 2 * runner.n_attention_layers * int(np.prod(kv_shape)) * kv_dtype.itemsize
     size = n_blocks * (16 + 4 * BLOCK_SIZE) + kv_bytes + n_snapshots * (8 + 4 * state_values)
-    offset = PREFIX.size + header_len
     if len(data) - offset != size:
         raise PrefixCacheFileError(f"payload is {len(data) - offset} bytes; {size} expected")
 

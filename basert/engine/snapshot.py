@@ -8,8 +8,6 @@ A restore validates every length, the version and the model fingerprint before t
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +17,10 @@ from basert.engine.engine import MAX_LANE_CHECKPOINTS, Checkpoint, Engine, Lane
 from basert.engine.kv import BLOCK_SIZE, blocks_for
 from basert.engine.runner import ModelRunner
 from basert.format.atomic import atomic_file
+from basert.format.framed import read_frame, write_frame
 
 MAGIC = b"BSLT"
 VERSION = 2
-PREFIX = struct.Struct("<4sII")
-MAX_HEADER = 1 << 20
 
 
 class SnapshotError(ValueError):
@@ -63,12 +60,10 @@ def save_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
     """Write the lane's state to `path` atomically; returns what was written."""
     seq = lane.sequence
     header = _header(runner, lane)
-    encoded = json.dumps(header).encode()
     n = seq.n_past
     blocks = seq.block_table.view()
     with atomic_file(path) as out:
-        out.write(PREFIX.pack(MAGIC, VERSION, len(encoded)))
-        out.write(encoded)
+        write_frame(out, MAGIC, VERSION, header)
         out.write(np.asarray(seq.tokens, dtype=np.int32).tobytes())
         for layer in range(runner.n_attention_layers):
             out.write(np.ascontiguousarray(_kv_positions(runner.kv.k[layer], blocks, n)).tobytes())
@@ -89,17 +84,8 @@ def restore_lane(engine: Engine, lane: Lane, path: Path) -> SnapshotInfo:
     """
     runner = engine.runner
     data = path.read_bytes()
-    if len(data) < PREFIX.size:
-        raise SnapshotError(f"snapshot is truncated ({len(data)} bytes)")
-    magic, version, header_len = PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise SnapshotError("not a slot snapshot (bad magic)")
-    if version != VERSION:
-        raise SnapshotError(f"snapshot version {version} is not supported (only {VERSION})")
-    if header_len > MAX_HEADER or PREFIX.size + header_len > len(data):
-        raise SnapshotError("snapshot header runs past the end of the file")
+    header, offset = read_frame(data, MAGIC, VERSION, "slot snapshot", SnapshotError)
     try:
-        header = json.loads(data[PREFIX.size: PREFIX.size + header_len])
         n = int(header["n_tokens"])
         fingerprint = header["fingerprint"]
     except (ValueError, KeyError, TypeError) as exc:
@@ -122,7 +108,6 @@ def restore_lane(engine: Engine, lane: Lane, path: Path) -> SnapshotInfo:
     if expected["conv_shape"] is not None:
         recurrent_values = int(np.prod(expected["conv_shape"]) + np.prod(expected["ssm_shape"]))
     n_states = (1 + len(checkpoints)) if recurrent_values else 0
-    offset = PREFIX.size + header_len
     size = 4 * n + 2 * runner.n_attention_layers * kv_values * kv_dtype.itemsize + 4 * recurrent_values * n_states
     if len(data) - offset != size:
         raise SnapshotError(f"snapshot payload is {len(data) - offset} bytes; {size} expected")
