@@ -63,7 +63,8 @@ def run_chunks(
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize(
     "T,H,n_kv,d,start_pos",
-    [(1, 4, 2, 32, 0), (3, 9, 3, 64, 5), (17, 4, 2, 24, 40), (70, 9, 3, 64, 0), (5, 6, 6, 20, 33), (1, 4, 1, 13, 100)],
+    [(1, 4, 2, 32, 0), (3, 9, 3, 64, 5), (17, 4, 2, 24, 40), (70, 9, 3, 64, 0), (5, 6, 6, 20, 33), (1, 4, 1, 13, 100),
+     (33, 8, 2, 128, 250), (40, 4, 4, 72, 9), (2, 4, 2, 256, 61)],
 )
 def test_attention_matches_reference(T: int, H: int, n_kv: int, d: int, start_pos: int, dtype: type) -> None:
     rng = np.random.default_rng(T * 1000 + H * 100 + d + start_pos)

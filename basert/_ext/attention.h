@@ -123,24 +123,132 @@ static inline ptrdiff_t basert_kv_row(const int32_t *block_table, ptrdiff_t bloc
  * read from memory once for all of them (long prompts would otherwise stream the cache per row). */
 #define BASERT_ATTN_MAX_ROWS 16
 
+/* Floats of K or V rows converted once and reused by every row of a group (16 KiB, L1-resident):
+ * 8 K rows for 8 dot products at a time, and up to this many floats of V rows per pass of the
+ * weighted sum, during which each query row keeps its output in registers. */
+#define BASERT_ATTN_BUF_FLOATS 4096
+
+#if defined(BASERT_SIMD)
+#define BASERT_ATTN_INLINE static inline __attribute__((always_inline))
+
+/* Lane i = basert_hsum8(v[i]): the same additions in the same order, for 8 vectors at once. */
+BASERT_ATTN_INLINE __m256 basert_hsum8x8(const __m256 *v) {
+    __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
+    __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
+    __m256 ef = _mm256_add_ps(_mm256_permute2f128_ps(v[4], v[5], 0x20), _mm256_permute2f128_ps(v[4], v[5], 0x31));
+    __m256 gh = _mm256_add_ps(_mm256_permute2f128_ps(v[6], v[7], 0x20), _mm256_permute2f128_ps(v[6], v[7], 0x31));
+    __m256 t = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
+    __m256 u = _mm256_add_ps(_mm256_shuffle_ps(ef, gh, 0x44), _mm256_shuffle_ps(ef, gh, 0xEE));
+    __m256 h = _mm256_hadd_ps(t, u); /* lanes: v0 v2 v4 v6 v1 v3 v5 v7 */
+    return _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Scores of one query row against 8 float rows k[j * d ..] (d a multiple of 8): each is basert_dot
+ * of q and that row (= basert_dot_f16 of the half row it was converted from), times scale. */
+BASERT_ATTN_INLINE __m256 basert_scores8(const float *q, const float *k, ptrdiff_t d, float scale) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (ptrdiff_t e = 0; e < d; e += 8) {
+        __m256 qv = _mm256_loadu_ps(q + e);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * d + e), acc[j]);
+    }
+    return _mm256_mul_ps(basert_hsum8x8(acc), _mm256_set1_ps(scale));
+}
+
+/* Float copies of the cache rows of positions p0 .. p1 (exact: half to float is exact), d apart. */
+static inline void basert_gather_rows(const void *src, int kv_f16, const int32_t *block_table, ptrdiff_t block_stride,
+                                      ptrdiff_t d, ptrdiff_t p0, ptrdiff_t p1, float *dst) {
+    for (ptrdiff_t p = p0; p < p1; p++, dst += d) {
+        const ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
+        if (!kv_f16) {
+            memcpy(dst, (const float *)src + row, (size_t)d * sizeof(float));
+            continue;
+        }
+        const uint16_t *h = (const uint16_t *)src + row;
+        ptrdiff_t e = 0;
+        for (; e + 8 <= d; e += 8) _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + e))));
+        for (; e < d; e++) dst[e] = basert_f16_to_f32(h[e]);
+    }
+}
+
+/* out[0 .. 8 * NV) += weights[i] * rows[i * d ..] for i < n, in order, accumulating in registers:
+ * every element gets the same fmaf sequence as basert_axpy(_f16) applied position by position. */
+BASERT_ATTN_INLINE void basert_weighted_rows(const int NV, const float *weights, ptrdiff_t n, const float *rows, ptrdiff_t d,
+                                             float *out) {
+    __m256 acc[8];
+    for (int j = 0; j < NV; j++) acc[j] = _mm256_loadu_ps(out + 8 * j);
+    for (ptrdiff_t i = 0; i < n; i++) {
+        const __m256 w = _mm256_set1_ps(weights[i]);
+        for (int j = 0; j < NV; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows + i * d + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < NV; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
+/* basert_weighted_rows over all d columns (the d % 8 tail with scalar fmaf, in the same order). */
+static void basert_weighted_rows_all(const float *weights, ptrdiff_t n, const float *rows, ptrdiff_t d, float *out) {
+    ptrdiff_t c = 0;
+    for (; c + 64 <= d; c += 64) basert_weighted_rows(8, weights, n, rows + c, d, out + c);
+    switch ((d - c) / 8) {
+    case 7: basert_weighted_rows(7, weights, n, rows + c, d, out + c); break;
+    case 6: basert_weighted_rows(6, weights, n, rows + c, d, out + c); break;
+    case 5: basert_weighted_rows(5, weights, n, rows + c, d, out + c); break;
+    case 4: basert_weighted_rows(4, weights, n, rows + c, d, out + c); break;
+    case 3: basert_weighted_rows(3, weights, n, rows + c, d, out + c); break;
+    case 2: basert_weighted_rows(2, weights, n, rows + c, d, out + c); break;
+    case 1: basert_weighted_rows(1, weights, n, rows + c, d, out + c); break;
+    default: break;
+    }
+    for (ptrdiff_t e = d & ~(ptrdiff_t)7; e < d; e++)
+        for (ptrdiff_t i = 0; i < n; i++) out[e] = fmaf(weights[i], rows[i * d + e], out[e]);
+}
+#endif
+
 /* out[r][0..d) = softmax(scale * q[r].k_p for p < n_pos[r]) . v_p for n_rows query rows of one kv
  * head. k and v point at that head's rows in block 0 (float or uint16_t as kv_f16 says);
  * block_stride = elements per cache block; scores holds n_rows * score_stride floats of scratch.
  * Each row's arithmetic is the same whatever rows it is grouped with (its dot products, softmax sum
  * and weighted sum of V run in a fixed order over its own positions), so results never depend on
- * batching or on how a prompt was split. */
+ * batching or on how a prompt was split. The SIMD build computes 8 positions' dot products at once
+ * and keeps each row's weighted sum of V in registers; both are the same operations in the same
+ * order as the one-position-at-a-time loops that remain for the scalar build and the edges. */
 static inline void basert_attend_rows(int n_rows, const float *const *q, const ptrdiff_t *n_pos, const void *k,
                                       const void *v, int kv_f16, const int32_t *block_table, ptrdiff_t block_stride,
                                       ptrdiff_t d, float scale, float *scores, ptrdiff_t score_stride,
                                       float *const *out) {
     float top[BASERT_ATTN_MAX_ROWS];
     ptrdiff_t n_max = 0;
+#if defined(BASERT_SIMD)
+    float buf[BASERT_ATTN_BUF_FLOATS];
+    const int fast = (d & 7) == 0 && 8 * d <= BASERT_ATTN_BUF_FLOATS;
+#endif
     for (int r = 0; r < n_rows; r++) {
         top[r] = -INFINITY;
         if (n_pos[r] > n_max) n_max = n_pos[r];
     }
-    for (ptrdiff_t p = 0; p < n_max; p++) {
+    for (ptrdiff_t p = 0; p < n_max;) {
         ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
+#if defined(BASERT_SIMD)
+        /* Positions p .. p + 7 lie in one block (8 divides the block size and p is a multiple of 8). */
+        if (fast && (p & 7) == 0 && p + 8 <= n_max) {
+            basert_gather_rows(k, kv_f16, block_table, block_stride, d, p, p + 8, buf);
+            for (int r = 0; r < n_rows; r++) {
+                float *s = scores + r * score_stride + p;
+                if (p + 8 <= n_pos[r]) {
+                    _mm256_storeu_ps(s, basert_scores8(q[r], buf, d, scale));
+                    for (int j = 0; j < 8; j++)
+                        if (s[j] > top[r]) top[r] = s[j];
+                } else {
+                    for (ptrdiff_t j = 0; p + j < n_pos[r]; j++) {
+                        float x = basert_dot(q[r], buf + j * d, d) * scale;
+                        s[j] = x;
+                        if (x > top[r]) top[r] = x;
+                    }
+                }
+            }
+            p += 8;
+            continue;
+        }
+#endif
         for (int r = 0; r < n_rows; r++) {
             if (p >= n_pos[r]) continue;
             float s = kv_f16 ? basert_dot_f16(q[r], (const uint16_t *)k + row, d) : basert_dot(q[r], (const float *)k + row, d);
@@ -148,12 +256,28 @@ static inline void basert_attend_rows(int n_rows, const float *const *q, const p
             scores[r * score_stride + p] = s;
             if (s > top[r]) top[r] = s;
         }
+        p++;
     }
     float inv_sum[BASERT_ATTN_MAX_ROWS];
     for (int r = 0; r < n_rows; r++) {
         inv_sum[r] = 1.0f / basert_exp_shifted_sum(scores + r * score_stride, top[r], n_pos[r]);
         memset(out[r], 0, (size_t)d * sizeof(float));
     }
+#if defined(BASERT_SIMD)
+    if (d <= BASERT_ATTN_BUF_FLOATS) {
+        const ptrdiff_t chunk = BASERT_ATTN_BUF_FLOATS / d;
+        for (ptrdiff_t p0 = 0; p0 < n_max; p0 += chunk) {
+            const ptrdiff_t p1 = p0 + chunk < n_max ? p0 + chunk : n_max;
+            basert_gather_rows(v, kv_f16, block_table, block_stride, d, p0, p1, buf);
+            for (int r = 0; r < n_rows; r++)
+                if (p0 < n_pos[r])
+                    basert_weighted_rows_all(scores + r * score_stride + p0, (p1 < n_pos[r] ? p1 : n_pos[r]) - p0, buf, d,
+                                             out[r]);
+        }
+        for (int r = 0; r < n_rows; r++) basert_scale(inv_sum[r], out[r], d);
+        return;
+    }
+#endif
     for (ptrdiff_t p = 0; p < n_max; p++) {
         ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
         for (int r = 0; r < n_rows; r++) {
