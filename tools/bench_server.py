@@ -11,7 +11,8 @@ port, warmed up with one tiny unrelated completion, stopped with SIGTERM afterwa
     max_tokens 8; once sequentially and once with --concurrency (4) in flight, each on its own server,
     for the configs `baseline` (one slot), `prefix-cache`, `batching` (4 slots) and `batching+prefix-cache`.
     Per request: prompt tokens, cached tokens, server prefill time and tok/s (the response `timings`,
-    which count only uncached tokens and exclude queueing) and client TTFT (send to the first chunk with
+    which count only uncached tokens, from the first prompt chunk computed, so queueing and waiting for a
+    shared prefix that another request is computing are excluded) and client TTFT (send to the first chunk with
     non-empty content). Per batch: the makespan and the prefill-time ratio, the mean prefill time of the
     other requests divided by that of the request whose first token came first.
 (b) Decode: --streams (1,2,4,8) simultaneous streams of distinct "write a long story" prompts with
@@ -330,7 +331,7 @@ def part_a_tables(runs: list[PrefixRun], prefix_tokens: int) -> str:
         mean_ttft = statistics.mean(row["ttft_ms"] for row in run.requests)
         lines.append(f"| {run.config} | {run.mode} | {run.makespan_s:.2f} | {mean_ttft:.1f} | "
                      f"{fmt(run.prefill_ratio, 3)} |")
-    lines += ["", ("prefill ms and tok/s are the server's `timings` (uncached tokens only, queueing excluded); "
+    lines += ["", ("prefill ms and tok/s are the server's `timings` (uncached tokens only, from the first prompt chunk computed: queueing and waiting for a shared prefix excluded); "
                    "TTFT is client-side, send to first content chunk, queueing included.")]
     return "\n".join(lines)
 

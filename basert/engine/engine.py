@@ -154,7 +154,8 @@ class ActiveGeneration:
     text: str = ""
     released: int = 0               # characters of text already sent
     next_token: int | None = None   # sampled, not yet fed
-    started: float = 0.0
+    started: float = 0.0            # admitted
+    prefill_started: float = 0.0    # first prompt chunk fed (after waiting for blocks or a shared prefix)
     prefill_done: float = 0.0
     first_token_at: float = 0.0
 
@@ -412,6 +413,10 @@ class Engine:
                             for lane, chunk, _ in work))
         requests = [ForwardRequest(lane.sequence, chunk, "last" if wants else "none")
                     for lane, chunk, wants in work]
+        start = time.monotonic()
+        for lane, _, _ in work:
+            if not lane.active.prefill_started:
+                lane.active.prefill_started = start
         try:
             results = self.runner.forward(requests)
         except Exception as exc:
@@ -522,7 +527,7 @@ class Engine:
         prefill_end = gen.prefill_done or now
         timings = Timings(
             prompt_n=len(request.prompt) - gen.cached_tokens,
-            prompt_ms=1000 * (prefill_end - gen.started),
+            prompt_ms=1000 * (prefill_end - (gen.prefill_started or gen.started)),
             predicted_n=len(gen.generated),
             predicted_ms=1000 * (now - prefill_end),
             ttft_ms=1000 * (gen.first_token_at - gen.started),
