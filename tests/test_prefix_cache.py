@@ -25,6 +25,16 @@ def fill(cache: PrefixCache, pool: BlockPool, prompt: list[int]) -> tuple[BlockT
     return table, keys
 
 
+def released(pool_blocks: int, starts: tuple[int, int], n_blocks: int) -> tuple[BlockPool, PrefixCache]:
+    """A pool whose cache holds two prompts of n_blocks blocks each, computed in order and released in order."""
+    pool = BlockPool(pool_blocks)
+    cache = PrefixCache(pool, "model")
+    tables = [fill(cache, pool, tokens(start, n_blocks))[0] for start in starts]
+    for table in tables:
+        table.release_all(pool)
+    return pool, cache
+
+
 def test_reference_counts_and_free_list():
     pool = BlockPool(4)
     a, b = pool.allocate(), pool.allocate()
@@ -45,12 +55,7 @@ def test_reference_counts_and_free_list():
 
 
 def test_cached_blocks_outlive_their_sequence_and_are_evicted_oldest_first():
-    pool = BlockPool(6)
-    cache = PrefixCache(pool, "model")
-    first, _ = fill(cache, pool, tokens(0, 2))
-    second, _ = fill(cache, pool, tokens(100, 2))
-    first.release_all(pool)
-    second.release_all(pool)
+    pool, cache = released(6, (0, 100), 2)
     assert pool.n_free == 2 and len(pool.evictable) == 4 and pool.n_available == 6
     assert cache.lookup(tokens(0, 2) + [7], 33).n_tokens == 32
     # Fresh allocations take free blocks first, then evict the least recently released cached ones
@@ -66,12 +71,7 @@ def test_cached_blocks_outlive_their_sequence_and_are_evicted_oldest_first():
 
 
 def test_a_hit_revives_blocks_from_the_lru_and_moves_them_to_the_back():
-    pool = BlockPool(4)
-    cache = PrefixCache(pool, "model")
-    a, _ = fill(cache, pool, tokens(0, 1))
-    b, _ = fill(cache, pool, tokens(50, 1))
-    a.release_all(pool)
-    b.release_all(pool)
+    pool, cache = released(4, (0, 50), 1)
     hit = cache.lookup(tokens(0, 1) + [1], 17)
     reader = BlockTable(4)
     reader.adopt(hit.blocks, pool)                 # block of prompt A is held again: not evictable

@@ -129,10 +129,8 @@ static inline ptrdiff_t basert_kv_row(const int32_t *block_table, ptrdiff_t bloc
 #define BASERT_ATTN_BUF_FLOATS 4096
 
 #if defined(BASERT_SIMD)
-#define BASERT_ATTN_INLINE static inline __attribute__((always_inline))
-
 /* Lane i = basert_hsum8(v[i]): the same additions in the same order, for 8 vectors at once. */
-BASERT_ATTN_INLINE __m256 basert_hsum8x8(const __m256 *v) {
+BASERT_ALWAYS_INLINE __m256 basert_hsum8x8(const __m256 *v) {
     __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
     __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
     __m256 ef = _mm256_add_ps(_mm256_permute2f128_ps(v[4], v[5], 0x20), _mm256_permute2f128_ps(v[4], v[5], 0x31));
@@ -145,7 +143,7 @@ BASERT_ATTN_INLINE __m256 basert_hsum8x8(const __m256 *v) {
 
 /* Scores of one query row against 8 float rows k[j * d ..] (d a multiple of 8): each is basert_dot
  * of q and that row (= basert_dot_f16 of the half row it was converted from), times scale. */
-BASERT_ATTN_INLINE __m256 basert_scores8(const float *q, const float *k, ptrdiff_t d, float scale) {
+BASERT_ALWAYS_INLINE __m256 basert_scores8(const float *q, const float *k, ptrdiff_t d, float scale) {
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
     for (ptrdiff_t e = 0; e < d; e += 8) {
@@ -173,7 +171,7 @@ static inline void basert_gather_rows(const void *src, int kv_f16, const int32_t
 
 /* out[0 .. 8 * NV) += weights[i] * rows[i * d ..] for i < n, in order, accumulating in registers:
  * every element gets the same fmaf sequence as basert_axpy(_f16) applied position by position. */
-BASERT_ATTN_INLINE void basert_weighted_rows(const int NV, const float *weights, ptrdiff_t n, const float *rows, ptrdiff_t d,
+BASERT_ALWAYS_INLINE void basert_weighted_rows(const int NV, const float *weights, ptrdiff_t n, const float *rows, ptrdiff_t d,
                                              float *out) {
     __m256 acc[8];
     for (int j = 0; j < NV; j++) acc[j] = _mm256_loadu_ps(out + 8 * j);

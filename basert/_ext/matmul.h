@@ -20,8 +20,6 @@
 #include <omp.h>
 #endif
 
-#define BASERT_ALWAYS_INLINE static inline __attribute__((always_inline))
-
 enum { BASERT_F32 = 0, BASERT_F16 = 1, BASERT_BF16 = 2, BASERT_Q4 = 3, BASERT_Q8 = 4 };
 
 /* One [n, k] weight matrix as raw pointers into arrays the Python Weight keeps alive. */

@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stddef.h>
 
+#define BASERT_ALWAYS_INLINE static inline __attribute__((always_inline))
+
 /* Below this many elements a kernel runs on the calling thread: at decode size (one token) starting
  * an OpenMP region costs more than the work itself. */
 #define BASERT_SERIAL_BELOW 32768
