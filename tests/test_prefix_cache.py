@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from basert.engine.engine import common_prefix
 from basert.engine.kv import BLOCK_SIZE, BlockPool, BlockTable, OutOfBlocksError
 from basert.engine.prefix_cache import ROOT_KEY, PrefixCache
 from basert.engine.sequence import RecurrentState
@@ -190,3 +191,12 @@ def test_snapshots_can_be_dropped_to_make_room():
     assert pool.n_available == 0 and cache.snapshot_blocks == 6
     cache.drop_snapshots_until(3)
     assert pool.n_available == 4 and len(cache.snapshots) == 1 and keys[2] in cache.snapshots
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 40, 48, 100])
+def test_common_prefix_finds_the_first_difference_across_block_boundaries(n: int):
+    a = list(range(100))
+    b = a[:n] + [-1] + a[n + 1:]
+    assert common_prefix(a, b) == n
+    assert common_prefix(a[:n], a) == common_prefix(a, a[:n]) == n
+    assert common_prefix(a, list(a)) == 100

@@ -570,9 +570,12 @@ class Engine:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
+    """Length of the longest common prefix of two token lists (compared a block of tokens at a time:
+    prompts of thousands of tokens are compared on every admission and scheduling step)."""
     n = min(len(a), len(b))
     i = 0
+    while i + BLOCK_SIZE <= n and a[i:i + BLOCK_SIZE] == b[i:i + BLOCK_SIZE]:
+        i += BLOCK_SIZE
     while i < n and a[i] == b[i]:
         i += 1
     return i
