@@ -38,6 +38,8 @@ def test_round_trip_restores_blocks_kv_and_snapshots(name: str, tiny_f32_bases: 
     before = engine.prefix_cache.lookup(prompt, len(prompt) - 1)
     after = cache.lookup(prompt, len(prompt) - 1)
     assert after.n_tokens == before.n_tokens > 0
+    # Evicted tail first, as blocks released by a sequence are: a chain never keeps a tail without its head.
+    assert list(runner.pool.evictable) == after.blocks[::-1]
     for old, new in zip(before.blocks, after.blocks):
         for layer in range(runner.n_attention_layers):
             assert np.array_equal(engine.runner.kv.k[layer][old], runner.kv.k[layer][new])

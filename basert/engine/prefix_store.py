@@ -129,20 +129,23 @@ def load_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> in
         if cache.key(int(parents[i]), tokens[i]) != int(keys[i]):
             raise PrefixCacheFileError(f"block {i} does not match its key (corrupt file)")
 
-    loaded = 0
     pool = runner.pool
     room = pool.n_free - n_snapshots * cache.snapshot_cost_blocks  # snapshots must not evict loaded blocks
+    loaded = []
     for i in range(max(0, min(n_blocks, room))):
         block = pool.allocate()
         for layer, (k, v) in enumerate(kv):
             runner.kv.k[layer][block] = k[i]
             runner.kv.v[layer][block] = v[i]
         cache.register(int(parents[i]), tokens[i].tolist(), block)
-        pool.release(block)  # cached and unreferenced: it waits in the LRU queue for a hit
-        loaded += 1
+        loaded.append(block)
+    # Cached and unreferenced, the blocks wait in the LRU queue for a hit. Parents come before their
+    # children in the file: releasing in reverse makes chains lose their tails before their heads.
+    for block in reversed(loaded):
+        pool.release(block)
     template = runner.new_sequence().recurrent
     for j in range(n_snapshots):
         np.copyto(template.conv, convs[j])
         np.copyto(template.ssm, ssms[j])
         cache.add_snapshot(int(snapshot_keys[j]), template)
-    return loaded
+    return len(loaded)
