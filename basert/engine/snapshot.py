@@ -1,6 +1,6 @@
 """Slot snapshots: one lane's tokens, the KV of its used positions and its recurrent state, in one file.
 
-Layout (little-endian): magic `BSLT`, u32 version (1), u32 header length, UTF-8 JSON header, then
+Layout (little-endian): magic `BSLT`, u32 version (2), u32 header length, UTF-8 JSON header, then
 int32 token ids, per attention layer K then V as [n_tokens, n_kv_heads, head_dim] in the cache's
 element type, then (hybrids) the float32 conv and ssm states, then those of each lane checkpoint.
 A restore validates every length, the version and the model fingerprint before touching the lane.
