@@ -23,6 +23,7 @@ from basert.format import (
     ChecksumMismatchError,
     HeaderOverflowError,
     InvalidHeaderError,
+    ModelValidationError,
     QuantizedTensor,
     TensorOutOfBoundsError,
     TruncatedFileError,
@@ -541,15 +542,39 @@ def test_header_missing_required_key(sample: Path, key: str) -> None:
     ("name", "field", "value", "message"),
     [
         ("q8_sym", "offset", 10**9, r"tensor 'q8_sym' at bytes 1000065536..1000065944 lies past end of file"),
-        ("f32", "length", 767, r"tensor 'f32' length 767 is smaller than the 768 bytes of f32 \[3, 64\]"),
-        ("q4_asym", "length", 200, r"tensor 'q4_asym' bias region at 192..204 runs past its length 200"),
-        ("q4_asym", "scale_length", 10, r"tensor 'q4_asym' scale region holds 10 bytes, 12 needed"),
-        ("q4_sym", "length", 300, r"tensor 'q4_sym' packed values at 0..384 runs past its length 300"),
+        ("f32", "length", 767, r"tensor 'f32' length 767 does not match the 768 bytes of f32 \[3, 64\]"),
+        ("f32", "length", 832, r"tensor 'f32' length 832 does not match the 768 bytes of f32 \[3, 64\]"),
+        ("q4_asym", "length", 200, r"tensor 'q4_asym' length 200 does not match the 204 bytes of its regions"),
+        ("q4_asym", "length", 256, r"tensor 'q4_asym' length 256 does not match the 204 bytes of its regions"),
+        ("q4_asym", "scale_length", 10, r"tensor 'q4_asym' scale region holds 10 bytes, expected 12 for base_q4"),
+        ("q4_asym", "scale_length", 24, r"tensor 'q4_asym' scale region holds 24 bytes, expected 12 for base_q4"),
+        ("q4_asym", "scale_offset", 64, r"tensor 'q4_asym' scale region starts at 64, expected 96..128 \(right after"),
+        ("q4_asym", "bias_offset", 256, r"tensor 'q4_asym' bias region starts at 256, expected 140..192 \(right after"),
+        ("q4_sym", "length", 300, r"tensor 'q4_sym' length 300 does not match the 408 bytes of its regions"),
+        ("q4_sym", "dtype", "base_q8", r"tensor 'q4_sym' scale region starts at 384, expected 768 \(right after"),
+        ("f16", "offset", 704, r"tensor 'f16' at bytes 66240..66496 overlaps tensor 'f32' at bytes 65536..66304"),
+        ("f16", "offset", 800, r"tensor 'f16' offset 800 is not a multiple of 64, the alignment of compute_region"),
+        ("q4_asym", "compute_region", "gpu", r"tensor 'q4_asym' offset 17920 is not a multiple of 16384"),
+        ("q4_asym", "group_size", 64, r"tensor 'q4_asym' scale region holds 12 bytes, expected 6 for base_q4"),
     ],
 )
-def test_tensor_out_of_bounds(sample: Path, name: str, field: str, value: int, message: str) -> None:
+def test_tensor_out_of_bounds(sample: Path, name: str, field: str, value: int | str, message: str) -> None:
     _patch_header(sample, lambda header: _tensor(header, name).update({field: value}))
     with pytest.raises(TensorOutOfBoundsError, match=message):
+        BaseFile(sample)
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "value", "message"),
+    [
+        ("q4_asym", "compute_region", "npu", r"tensor 'q4_asym' compute_region 'npu' is not one of"),
+        ("q4_asym", "group_size", 16, r"tensor 'q4_asym' group_size 16 is not one of 32, 64, 128"),
+        ("q8_sym", "group_size", 64, r"tensor 'q8_sym' rows of shape \[4, 96\] do not split into groups of 64"),
+    ],
+)
+def test_invalid_tensor_entry(sample: Path, name: str, field: str, value: int | str, message: str) -> None:
+    _patch_header(sample, lambda header: _tensor(header, name).update({field: value}))
+    with pytest.raises(InvalidHeaderError, match=message):
         BaseFile(sample)
 
 
@@ -586,4 +611,4 @@ def test_error_names_the_file(sample: Path) -> None:
     with pytest.raises(BadMagicError) as raised:
         BaseFile(sample)
     assert str(raised.value).startswith(f"{sample}: ")
-    assert isinstance(raised.value, ValueError)
+    assert isinstance(raised.value, ModelValidationError) and isinstance(raised.value, ValueError)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -156,11 +159,21 @@ def test_rope_tables_follow_hf_float32_recipe() -> None:
     assert cos.shape == sin.shape == (70000, 32) and cos.dtype == sin.dtype == np.float32
     assert np.array_equal(cos[0], np.ones(32, np.float32)) and np.array_equal(sin[0], np.zeros(32, np.float32))
     # HF: inv_freq = 1 / theta ** (arange(0, R, 2).float() / R), angles = pos.float() * inv_freq, all float32.
+    # Like rope_tables, the reference takes pow, cos and sin in float64 from the C library (math), not from
+    # numpy, whose float32 pow and vectorised float64 cos/sin differ in the last bit between CPUs; float32
+    # division and products are correctly rounded IEEE operations everywhere.
     exponents = np.arange(0, 64, 2).astype(np.float32) / np.float32(64)
-    inv_freq = np.float32(1) / np.power(np.float32(1e6), exponents)
-    angles = (np.arange(70000, dtype=np.float32)[:, None] * inv_freq).astype(np.float64)
-    assert np.array_equal(cos, np.cos(angles).astype(np.float32))
-    assert np.array_equal(sin, np.sin(angles).astype(np.float32))
+    inv_freq = np.float32(1) / np.array([math.pow(1e6, float(e)) for e in exponents]).astype(np.float32)
+    angles = np.arange(70000, dtype=np.float32)[:, None] * inv_freq
+    flat = angles.astype(np.float64).ravel().tolist()
+
+    def libm(function: Callable[[float], float]) -> np.ndarray:
+        return np.fromiter(map(function, flat), np.float64, len(flat)).astype(np.float32).reshape(angles.shape)
+
+    assert np.array_equal(cos, libm(math.cos)) and np.array_equal(sin, libm(math.sin))
+    # numpy's cos and sin may differ from the C library in the last float64 bit, so by at most 1 float32 ulp.
+    np.testing.assert_array_max_ulp(cos, np.cos(angles.astype(np.float64)).astype(np.float32), maxulp=1)
+    np.testing.assert_array_max_ulp(sin, np.sin(angles.astype(np.float64)).astype(np.float32), maxulp=1)
     # At large positions the float32 angle is far from the exact one: the rounding is HF's, on purpose.
     exact = np.cos(np.arange(70000)[:, None] * (1.0 / np.power(1e6, np.arange(0, 64, 2) / 64)))
     assert np.abs(cos[-1000:, 1] - exact[-1000:, 1]).max() > 1e-3

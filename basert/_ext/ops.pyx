@@ -2,8 +2,11 @@
 """Element-wise and per-head kernels around the matmuls: q/k RMSNorm, gated RMSNorm, SwiGLU, the
 sigmoid output gate and RoPE (float32, GIL released, rows in parallel)."""
 
+import math
+
 import numpy as np
 from cython.parallel cimport prange
+from libc.math cimport cos, sin
 from libc.stdint cimport int32_t
 
 cdef extern from "simd.h" nogil:
@@ -106,14 +109,29 @@ def rope(float[:, :, ::1] x, const int32_t[::1] positions, const float[:, ::1] c
 
 
 def rope_tables(double theta, int rotary_dim, int max_pos):
-    """cos and sin tables [max_pos, rotary_dim / 2] float32, with HF's float32 rounding of the angles."""
+    """cos and sin tables [max_pos, rotary_dim / 2] float32, with HF's float32 rounding of the angles.
+
+    Every step gives the same bits on every CPU: the C library's float64 pow, exact float32 products,
+    and the C library's float64 cos and sin rounded to float32 (numpy's float32 pow and its vectorised
+    float64 cos/sin can differ in the last bit between CPUs)."""
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
     if max_pos <= 0:
         raise ValueError(f"max_pos must be positive, got {max_pos}")
     exponents = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(rotary_dim)
-    # HF raises theta to a float32 exponent and keeps float32; float64 pow rounded once matches it.
-    inv_freq = (np.float32(1.0) / np.power(theta, exponents.astype(np.float64)).astype(np.float32))
+    # HF raises theta to a float32 exponent and keeps float32: float64 pow rounded once matches it.
+    powers = np.array([math.pow(theta, float(exponent)) for exponent in exponents], dtype=np.float64)
+    inv_freq = np.float32(1.0) / powers.astype(np.float32)
     angles = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq[None, :]
-    angles64 = angles.astype(np.float64)
-    return np.cos(angles64).astype(np.float32), np.sin(angles64).astype(np.float32)
+    cos_table = np.empty_like(angles)
+    sin_table = np.empty_like(angles)
+    cdef const float[::1] a = angles.reshape(-1)
+    cdef float[::1] c = cos_table.reshape(-1)
+    cdef float[::1] s = sin_table.reshape(-1)
+    cdef Py_ssize_t i
+    with nogil:
+        for i in range(a.shape[0]):
+            c[i] = <float>cos(<double>a[i])
+        for i in range(a.shape[0]):
+            s[i] = <float>sin(<double>a[i])
+    return cos_table, sin_table

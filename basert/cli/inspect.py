@@ -1,13 +1,14 @@
-"""`basert inspect`: a .base file's architecture, config, tensor table and totals."""
+"""`basert inspect`: a .base file's architecture, config, tensor table and totals, and whether it would load."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 from basert.cli.progress import ProgressBar
-from basert.format import BaseFile
+from basert.format import BaseFile, ModelValidationError
 
 CONFIG_SUMMARY_KEYS = (
     "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -19,8 +20,19 @@ CONFIG_SUMMARY_KEYS = (
 )
 
 
+def validation_problem(base: BaseFile) -> str | None:
+    """Why loading the model would refuse it (one line), or None: building the model is what checks it."""
+    from basert.models import build_model
+
+    try:
+        build_model(base, max_pos=1)
+    except ModelValidationError as error:
+        return str(error)
+    return None
+
+
 def inspect_file(path: Path, *, verify: bool, as_json: bool) -> int:
-    """Print the summary of one .base file; returns the exit code."""
+    """Print the summary of one .base file; returns the exit code (1 when the model would be refused)."""
     with BaseFile(path) as base:
         tensors = list(base.tensors.values())
         by_dtype: dict[str, list[int]] = {}
@@ -32,6 +44,7 @@ def inspect_file(path: Path, *, verify: bool, as_json: bool) -> int:
         n_params = sum(v[1] for v in by_dtype.values())
         if verify:
             base.verify_checksums(progress=ProgressBar("verify", width=30) if not as_json else None)
+        problem = validation_problem(base)
         if as_json:
             print(json.dumps({
                 "file": str(path),
@@ -47,8 +60,9 @@ def inspect_file(path: Path, *, verify: bool, as_json: bool) -> int:
                            "by_dtype": {k: {"tensors": v[0], "parameters": v[1], "bytes": v[2]}
                                         for k, v in sorted(by_dtype.items())}},
                 "checksums_verified": verify,
+                "validation_error": problem,
             }, indent=2))
-            return 0
+            return 1 if problem else 0
         source = base.header.get("source") or {}
         print(f"file:     {path} ({base.file_size:,} bytes)")
         print(f"arch:     {base.arch}")
@@ -74,4 +88,7 @@ def inspect_file(path: Path, *, verify: bool, as_json: bool) -> int:
             print(f"  {dtype:<8} {count:4d} tensors {params:>14,} parameters {nbytes:>14,} bytes")
         if verify:
             print(f"checksums: OK ({len(tensors)} tensors verified)")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     return 0

@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `basert` console script."""
     from basert.convert.source import ConvertError
-    from basert.format.errors import BaseFormatError
+    from basert.format.errors import ModelValidationError
     from basert.models_dir import DefaultModelMissingError, ModelNotFoundError
     from basert.tokenizer import TokenizerError
 
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ConvertError, BaseFormatError, DefaultModelMissingError, ModelNotFoundError, TokenizerError,
+    except (ConvertError, ModelValidationError, DefaultModelMissingError, ModelNotFoundError, TokenizerError,
             OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -18,7 +18,7 @@ from basert.engine.kv import BLOCK_SIZE, BlockPool, BlockTable, KVCache, blocks_
 from basert.engine.sequence import RecurrentState, SequenceState
 from basert.format import BaseFile
 from basert.models import build_model
-from basert.models.layers import Batch, BatchItem, Weights, Workspace
+from basert.models.layers import Batch, BatchItem, Workspace
 
 LogitsWanted = Literal["last", "all", "none"]
 
@@ -65,18 +65,24 @@ class ModelRunner:
         kv_dtype: type = np.float32,
         kv_blocks: int | None = None,
         threads: int | None = None,
+        verify_checksums: bool = True,
     ):
-        self.base = BaseFile(path)
+        """Open and validate the model; raises ModelValidationError (one line) for a file that cannot serve:
+        malformed, a header that contradicts its tensors, or (with verify_checksums) a corrupted payload."""
+        self.base = BaseFile(path, verify_checksums=verify_checksums)
+        try:
+            self.model = build_model(self.base, max_context)
+        except BaseException:
+            self.base.close()
+            raise
         self.fingerprint = model_fingerprint(Path(path))
         self.arch = self.base.arch
         self.config = self.base.config
         self.max_context = max_context
         self.threads = threads or default_threads()
         mm.set_num_threads(self.threads)
-        self.model = build_model(Weights(self.base), self.arch, self.config, max_context)
-        layer_types = self.config.get("layer_types") or ["full_attention"] * self.config["num_hidden_layers"]
-        self.n_attention_layers = sum(1 for kind in layer_types if kind == "full_attention")
-        self.n_linear_layers = len(layer_types) - self.n_attention_layers
+        self.n_attention_layers = self.model.n_attention_layers
+        self.n_linear_layers = self.model.n_linear_layers
         self.max_blocks_per_sequence = blocks_for(max_context)
         n_blocks = kv_blocks if kv_blocks is not None else max_sequences * self.max_blocks_per_sequence
         self.pool = BlockPool(n_blocks)

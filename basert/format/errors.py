@@ -1,9 +1,13 @@
-"""Errors raised when a `.base` file is malformed; each message names the file and what is wrong."""
+"""Errors raised when a model file is refused; each message is one line naming the file and what is wrong."""
 
 from __future__ import annotations
 
 
-class BaseFormatError(ValueError):
+class ModelValidationError(ValueError):
+    """A model file cannot be served as it stands: it is malformed, or its header contradicts its tensors."""
+
+
+class BaseFormatError(ModelValidationError):
     """A `.base` file cannot be read as the format spec describes."""
 
 

@@ -1,5 +1,9 @@
 """Reads `.base` files through a read-only mmap: the header is validated on open and tensors are
-returned as zero-copy numpy views of the mapped payloads."""
+returned as zero-copy numpy views of the mapped payloads.
+
+On open every tensor entry must describe exactly the bytes its shape, dtype and group size need,
+at an offset aligned for its compute region, inside the file and overlapping no other tensor.
+"""
 
 from __future__ import annotations
 
@@ -29,12 +33,20 @@ from basert.format.errors import (
     UnsupportedDtypeError,
     UnsupportedVersionError,
 )
-from basert.format.quant import DENSE_DTYPES, KNOWN_QUANT_DTYPES, QUANT_BITS, SCALE_DTYPES, QuantizedTensor
-from basert.format.writer import BLOB_ALIGN, FORMAT_VERSION, MAGIC, align_up
+from basert.format.quant import (
+    ALLOWED_GROUP_SIZES,
+    DENSE_DTYPES,
+    KNOWN_QUANT_DTYPES,
+    QUANT_BITS,
+    SCALE_DTYPES,
+    QuantizedTensor,
+)
+from basert.format.writer import ALIGNMENT, BLOB_ALIGN, FORMAT_VERSION, MAGIC, REGION_PART_ALIGN, align_up
 
 _DENSE_NUMPY = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2")}
 _REQUIRED_HEADER = {"arch": str, "config": dict, "tokenizer": dict, "tensors": list}
-_HASH_CHUNK = 64 << 20
+# The header's alignment key that sets the offset alignment of each compute region.
+_REGION_ALIGN_KEY = {"accelerator": "accel_align_log2", "gpu": "gpu_page_log2", "cpu": "cpu_align_log2"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,27 +131,23 @@ class BaseFile:
         self._mmap = None
 
     def verify_checksums(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Hash every tensor that records a checksum; `progress(done_bytes, total_bytes)` is called as it goes."""
+        """Hash every tensor that records a checksum, in one call on a view of the mapping (no copy);
+        `progress(done_bytes, total_bytes)` is called after each tensor."""
         checked = [info for info in self.tensors.values() if info.checksum is not None]
         total = sum(info.length for info in checked)
         done = 0
-        buffer = memoryview(self._mapped())
-        try:
+        with memoryview(self._mapped()) as mapped:
             for info in checked:
-                hasher = xxhash.xxh64()
-                for start in range(info.offset, info.offset + info.length, _HASH_CHUNK):
-                    end = min(start + _HASH_CHUNK, info.offset + info.length)
-                    hasher.update(buffer[start:end])
-                    done += end - start
-                    if progress is not None:
-                        progress(done, total)
-                if hasher.intdigest() != info.checksum:
+                with mapped[info.offset : info.offset + info.length] as payload:
+                    digest = xxhash.xxh64_intdigest(payload)
+                if digest != info.checksum:
                     raise ChecksumMismatchError(
-                        f"{self.path}: tensor {info.name!r} hashes to {hasher.intdigest():016x}, "
+                        f"{self.path}: tensor {info.name!r} hashes to {digest:016x}, "
                         f"header records {info.checksum:016x}"
                     )
-        finally:
-            buffer.release()
+                done += info.length
+                if progress is not None:
+                    progress(done, total)
 
     def payload(self, name: str) -> np.ndarray:
         """Read-only uint8 view of a tensor's whole payload."""
@@ -245,28 +253,55 @@ class BaseFile:
 
     def _read_tensors(self) -> dict[str, TensorInfo]:
         gguf_order = self.source_format == "gguf"
+        region_align = self._region_alignment()
         tensors: dict[str, TensorInfo] = {}
         for entry in self.header["tensors"]:
             info = self._tensor_info(entry, gguf_order)
             if info.name in tensors:
                 raise InvalidHeaderError(f"{self.path}: tensor {info.name!r} appears twice in the header")
             self._check_regions(info)
+            align = region_align[info.compute_region]
+            if (info.offset - self.blob_offset) % align:
+                raise TensorOutOfBoundsError(
+                    f"{self.path}: tensor {info.name!r} offset {info.offset - self.blob_offset} is not a multiple "
+                    f"of {align}, the alignment of compute_region {info.compute_region!r}"
+                )
             tensors[info.name] = info
-        # In offset order, the first tensor to cross end of file shows whether the file was cut short.
+        # In offset order, the first tensor to cross end of file shows whether the file was cut short, and each
+        # tensor must start at or after the end of the one before it.
+        previous: TensorInfo | None = None
         for info in sorted(tensors.values(), key=lambda info: info.offset):
             end = info.offset + info.length
-            if end <= self.file_size:
-                continue
-            if info.offset < self.file_size:
-                raise TruncatedFileError(
-                    f"{self.path}: file ends at {self.file_size} inside tensor {info.name!r} "
-                    f"(bytes {info.offset}..{end})"
+            if end > self.file_size:
+                if info.offset < self.file_size:
+                    raise TruncatedFileError(
+                        f"{self.path}: file ends at {self.file_size} inside tensor {info.name!r} "
+                        f"(bytes {info.offset}..{end})"
+                    )
+                raise TensorOutOfBoundsError(
+                    f"{self.path}: tensor {info.name!r} at bytes {info.offset}..{end} lies past end of file "
+                    f"(size {self.file_size})"
                 )
-            raise TensorOutOfBoundsError(
-                f"{self.path}: tensor {info.name!r} at bytes {info.offset}..{end} lies past end of file "
-                f"(size {self.file_size})"
-            )
+            if previous is not None and info.offset < previous.offset + previous.length:
+                raise TensorOutOfBoundsError(
+                    f"{self.path}: tensor {info.name!r} at bytes {info.offset}..{end} overlaps tensor "
+                    f"{previous.name!r} at bytes {previous.offset}..{previous.offset + previous.length}"
+                )
+            previous = info
         return tensors
+
+    def _region_alignment(self) -> dict[str, int]:
+        """Offset alignment in bytes per compute region, from the header's `alignment` (spec defaults if absent)."""
+        declared = self.header.get("alignment", ALIGNMENT)
+        if not isinstance(declared, dict):
+            raise InvalidHeaderError(f"{self.path}: header key 'alignment' {declared!r} is not a JSON object")
+        alignment = {}
+        for region, key in _REGION_ALIGN_KEY.items():
+            log2 = declared.get(key, ALIGNMENT[key])
+            if not _is_count(log2) or log2 > 30:
+                raise InvalidHeaderError(f"{self.path}: alignment {key} {log2!r} is not a power-of-two exponent")
+            alignment[region] = 1 << log2
+        return alignment
 
     def _tensor_info(self, entry: Any, gguf_order: bool) -> TensorInfo:
         if not isinstance(entry, dict):
@@ -301,6 +336,12 @@ class BaseFile:
                 raise InvalidHeaderError(f"{self.path}: tensor {name!r} {key} {entry.get(key)!r} is not a count")
         if ("bias_offset" in entry) != ("bias_length" in entry):
             raise InvalidHeaderError(f"{self.path}: tensor {name!r} has only one of bias_offset/bias_length")
+        compute_region = entry.get("compute_region", "gpu")
+        if compute_region not in _REGION_ALIGN_KEY:
+            raise InvalidHeaderError(
+                f"{self.path}: tensor {name!r} compute_region {compute_region!r} is not one of "
+                f"{', '.join(_REGION_ALIGN_KEY)}"
+            )
         return TensorInfo(
             name=name,
             dtype=dtype,
@@ -315,7 +356,7 @@ class BaseFile:
             bias_offset=entry.get("bias_offset") if quantized else None,
             bias_length=entry.get("bias_length") if quantized else None,
             flags=self._parse_hex(entry.get("flags", 0), f"tensor {name!r} flags"),
-            compute_region=entry.get("compute_region", "gpu"),
+            compute_region=compute_region,
             checksum=(
                 None
                 if entry.get("checksum_xxh64") is None
@@ -324,33 +365,45 @@ class BaseFile:
         )
 
     def _check_regions(self, info: TensorInfo) -> None:
-        """The payload must be big enough for the shape, and scale/bias regions must lie inside it."""
+        """The payload must hold exactly what the shape, dtype and group size need: dense values, or packed
+        values, then scales, then biases, each region right after the previous one (padded to at most
+        REGION_PART_ALIGN bytes)."""
         where = f"{self.path}: tensor {info.name!r}"
         if not info.is_quantized:
             needed = info.n_elements * _DENSE_NUMPY[info.dtype].itemsize
-            if info.length < needed:
+            if info.length != needed:
                 raise TensorOutOfBoundsError(
-                    f"{where} length {info.length} is smaller than the {needed} bytes "
-                    f"of {info.dtype} {list(info.shape)}"
+                    f"{where} length {info.length} does not match the {needed} bytes of {info.dtype} {list(info.shape)}"
                 )
             return
-        if info.group_size == 0 or not info.array_shape or info.array_shape[-1] % info.group_size:
+        if info.group_size not in ALLOWED_GROUP_SIZES:
+            raise InvalidHeaderError(
+                f"{where} group_size {info.group_size} is not one of {', '.join(map(str, ALLOWED_GROUP_SIZES))}"
+            )
+        if not info.array_shape or info.array_shape[-1] % info.group_size:
             raise InvalidHeaderError(
                 f"{where} rows of shape {list(info.array_shape)} do not split into groups of {info.group_size}"
             )
-        packed_bytes = info.n_elements * QUANT_BITS[info.dtype] // 8
         group_bytes = info.n_elements // info.group_size * 2
-        regions = [("packed values", 0, packed_bytes, packed_bytes)]
-        regions.append(("scale region", info.scale_offset, info.scale_length, group_bytes))
+        end, before = info.n_elements * QUANT_BITS[info.dtype] // 8, "packed values"
+        regions = [("scale region", info.scale_offset, info.scale_length)]
         if info.bias_offset is not None:
-            regions.append(("bias region", info.bias_offset, info.bias_length, group_bytes))
-        for region, start, size, needed in regions:
-            if size < needed:
-                raise TensorOutOfBoundsError(f"{where} {region} holds {size} bytes, {needed} needed")
-            if start + size > info.length:
+            regions.append(("bias region", info.bias_offset, info.bias_length))
+        for region, start, size in regions:
+            latest = align_up(end, REGION_PART_ALIGN)
+            if not end <= start <= latest:
+                expected = str(end) if latest == end else f"{end}..{latest}"
                 raise TensorOutOfBoundsError(
-                    f"{where} {region} at {start}..{start + size} runs past its length {info.length}"
+                    f"{where} {region} starts at {start}, expected {expected} (right after the {before})"
                 )
+            if size != group_bytes:
+                raise TensorOutOfBoundsError(
+                    f"{where} {region} holds {size} bytes, expected {group_bytes} for "
+                    f"{info.dtype} {list(info.shape)} in groups of {info.group_size}"
+                )
+            end, before = start + size, region
+        if info.length != end:
+            raise TensorOutOfBoundsError(f"{where} length {info.length} does not match the {end} bytes of its regions")
 
     def _parse_hex(self, value: Any, what: str) -> int:
         """Flags and checksums are stored as hex strings (with or without 0x) or, by some writers, as ints."""

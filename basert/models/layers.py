@@ -4,10 +4,14 @@ Every block works on a flat activation matrix [T, D] holding the new tokens of a
 the batch; attention takes every sequence in one kernel call, DeltaNet walks the batch items for
 their per-sequence state. Scratch arrays come from a Workspace so that decoding allocates no array
 data per token.
+
+Each block takes its tensors with the shape its config implies (Weights checks them), so the dims a
+block later passes to a kernel always match the buffers the kernel reads.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,7 +20,8 @@ import numpy as np
 from basert._ext import attention as attn_ext
 from basert._ext import matmul as mm
 from basert._ext import norm, ops
-from basert.format import BaseFile
+from basert.format import BaseFile, ModelValidationError, TensorInfo
+from basert.models.config import ModelConfig
 
 
 class Workspace:
@@ -35,33 +40,50 @@ class Workspace:
 
 
 class Weights:
-    """Zero-copy kernel views of a .base file's tensors."""
+    """Zero-copy kernel views of a .base file's tensors, each checked against the shape its block expects;
+    `used` collects the names taken."""
 
     def __init__(self, base: BaseFile):
         self.base = base
+        self.where = f"{base.path} ({base.arch})"
+        self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
         return name in self.base.tensors
 
-    def matrix(self, name: str) -> mm.Weight:
-        """A weight matrix [N, K] (a 3-D [E, N, K] stack becomes [E*N, K])."""
-        info = self.base.tensors[name]
-        shape = info.array_shape
-        n, k = int(np.prod(shape[:-1])), int(shape[-1])
+    def matrix(self, name: str, rows: int, cols: int) -> mm.Weight:
+        """A weight matrix [rows, cols]."""
+        return self._kernel_weight(self._take(name, (rows, cols)), rows, cols)
+
+    def experts(self, name: str, n_experts: int, rows: int, cols: int) -> list[mm.Weight]:
+        """One [rows, cols] weight per expert of an [n_experts, rows, cols] stack, sharing the file's bytes."""
+        stacked = self._kernel_weight(self._take(name, (n_experts, rows, cols)), n_experts * rows, cols)
+        return [stacked.rows(e * rows, (e + 1) * rows) for e in range(n_experts)]
+
+    def vector(self, name: str, *shape: int) -> np.ndarray:
+        """A small tensor of shape's element count as a contiguous float32 array of that shape (norm weights,
+        gates, conv kernels; files may store them with extra unit dims)."""
+        self._take(name, shape, same_dims=False)
+        return np.ascontiguousarray(self.base.dequantize(name), dtype=np.float32).reshape(shape)
+
+    def _take(self, name: str, shape: tuple[int, ...], same_dims: bool = True) -> TensorInfo:
+        info = self.base.tensors.get(name)
+        if info is None:
+            raise ModelValidationError(f"{self.where}: tensor {name!r} is missing")
+        fits = info.array_shape == shape if same_dims else info.n_elements == math.prod(shape)
+        if not fits:
+            # Shapes are shown in the header's own order (reversed for GGUF sources), as in the file.
+            expected = list(reversed(shape)) if self.base.source_format == "gguf" else list(shape)
+            raise ModelValidationError(
+                f"{self.where}: tensor {name!r} has shape {list(info.shape)}, expected {expected} from the config")
+        self.used.add(name)
+        return info
+
+    def _kernel_weight(self, info: TensorInfo, n: int, k: int) -> mm.Weight:
         if info.is_quantized:
-            return mm.Weight(info.dtype, n, k, self.base.packed(name), self.base.scales(name),
-                             self.base.biases(name), info.group_size, info.scale_dtype or "f16")
-        return mm.Weight(info.dtype, n, k, self.base.payload(name))
-
-    def experts(self, name: str) -> list[mm.Weight]:
-        """One [N, K] weight per expert of an [E, N, K] stack, sharing the file's bytes."""
-        experts, rows = self.base.tensors[name].array_shape[:2]
-        stacked = self.matrix(name)
-        return [stacked.rows(e * rows, (e + 1) * rows) for e in range(experts)]
-
-    def vector(self, name: str) -> np.ndarray:
-        """A small tensor as a contiguous float32 array (norm weights, gates, conv kernels)."""
-        return np.ascontiguousarray(self.base.dequantize(name), dtype=np.float32)
+            return mm.Weight(info.dtype, n, k, self.base.packed(info.name), self.base.scales(info.name),
+                             self.base.biases(info.name), info.group_size, info.scale_dtype or "f16")
+        return mm.Weight(info.dtype, n, k, self.base.payload(info.name))
 
 
 class KVTensors(Protocol):
@@ -101,8 +123,8 @@ class Batch:
 
 
 class RMSNorm:
-    def __init__(self, weights: Weights, name: str, eps: float):
-        self.weight = weights.vector(name)
+    def __init__(self, weights: Weights, name: str, size: int, eps: float):
+        self.weight = weights.vector(name, size)
         self.eps = eps
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -110,9 +132,8 @@ class RMSNorm:
 
 
 class Linear:
-    def __init__(self, weights: Weights, name: str):
-        self.weight = weights.matrix(name)
-        self.n_out = self.weight.n
+    def __init__(self, weights: Weights, name: str, n_out: int, n_in: int):
+        self.weight = weights.matrix(name, n_out, n_in)
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         mm.matmul(x, self.weight, out)
@@ -134,18 +155,23 @@ class RopeTables:
 class Attention:
     """Causal GQA attention over the paged KV cache; optional per-head q/k norm and output gate."""
 
-    def __init__(self, weights: Weights, prefix: str, config: dict, kv_layer: int, rope: RopeTables,
+    def __init__(self, weights: Weights, prefix: str, config: ModelConfig, kv_layer: int, rope: RopeTables,
                  *, qk_norm: bool, output_gate: bool):
-        self.n_heads = config["num_attention_heads"]
-        self.n_kv = config["num_key_value_heads"]
-        self.head_dim = config["head_dim"]
-        self.eps = config["rms_norm_eps"]
-        self.q_proj = Linear(weights, f"{prefix}.q_proj.weight")
-        self.k_proj = Linear(weights, f"{prefix}.k_proj.weight")
-        self.v_proj = Linear(weights, f"{prefix}.v_proj.weight")
-        self.o_proj = Linear(weights, f"{prefix}.o_proj.weight")
-        self.q_norm = weights.vector(f"{prefix}.q_norm.weight") if qk_norm else None
-        self.k_norm = weights.vector(f"{prefix}.k_norm.weight") if qk_norm else None
+        self.n_heads = config.count("num_attention_heads")
+        self.n_kv = config.count("num_key_value_heads")
+        self.head_dim = config.count("head_dim")
+        self.eps = config.number("rms_norm_eps")
+        if self.n_heads % self.n_kv:
+            raise config.error(f"config num_attention_heads {self.n_heads} is not a multiple of "
+                               f"num_key_value_heads {self.n_kv}")
+        hidden = config.count("hidden_size")
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.q_proj = Linear(weights, f"{prefix}.q_proj.weight", 2 * q_dim if output_gate else q_dim, hidden)
+        self.k_proj = Linear(weights, f"{prefix}.k_proj.weight", kv_dim, hidden)
+        self.v_proj = Linear(weights, f"{prefix}.v_proj.weight", kv_dim, hidden)
+        self.o_proj = Linear(weights, f"{prefix}.o_proj.weight", hidden, q_dim)
+        self.q_norm = weights.vector(f"{prefix}.q_norm.weight", self.head_dim) if qk_norm else None
+        self.k_norm = weights.vector(f"{prefix}.k_norm.weight", self.head_dim) if qk_norm else None
         self.output_gate = output_gate
         self.kv_layer = kv_layer
         self.rope = rope
@@ -185,11 +211,11 @@ class Attention:
 class MLP:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, weights: Weights, prefix: str):
-        self.gate_proj = Linear(weights, f"{prefix}.gate_proj.weight")
-        self.up_proj = Linear(weights, f"{prefix}.up_proj.weight")
-        self.down_proj = Linear(weights, f"{prefix}.down_proj.weight")
-        self.hidden = self.gate_proj.n_out
+    def __init__(self, weights: Weights, prefix: str, d_model: int, hidden: int):
+        self.gate_proj = Linear(weights, f"{prefix}.gate_proj.weight", hidden, d_model)
+        self.up_proj = Linear(weights, f"{prefix}.up_proj.weight", hidden, d_model)
+        self.down_proj = Linear(weights, f"{prefix}.down_proj.weight", d_model, hidden)
+        self.hidden = hidden
 
     def __call__(self, h: np.ndarray, ws: Workspace, out: np.ndarray, tag: str = "mlp") -> np.ndarray:
         t = h.shape[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from basert.models.config import ModelConfig
 from basert.models.layers import MLP, Attention, Batch, KVTensors, RMSNorm, RopeTables, Weights, Workspace
 from basert.models.transformer import DecoderModel
 
@@ -14,13 +15,13 @@ from basert.models.transformer import DecoderModel
 class DecoderLayer:
     """Attention then a feed-forward block (dense MLP or MoE), each with a pre-norm and a residual."""
 
-    def __init__(self, weights: Weights, layer: int, config: dict, mixer, feed_forward):
-        eps = config["rms_norm_eps"]
-        self.input_norm = RMSNorm(weights, f"layers.{layer}.input_norm.weight", eps)
-        self.post_attn_norm = RMSNorm(weights, f"layers.{layer}.post_attn_norm.weight", eps)
+    def __init__(self, weights: Weights, layer: int, config: ModelConfig, mixer, feed_forward):
+        eps = config.number("rms_norm_eps")
+        self.hidden = config.count("hidden_size")
+        self.input_norm = RMSNorm(weights, f"layers.{layer}.input_norm.weight", self.hidden, eps)
+        self.post_attn_norm = RMSNorm(weights, f"layers.{layer}.post_attn_norm.weight", self.hidden, eps)
         self.mixer = mixer
         self.feed_forward = feed_forward
-        self.hidden = config["hidden_size"]
 
     def __call__(self, x: np.ndarray, batch: Batch, kv: KVTensors, ws: Workspace) -> None:
         t = x.shape[0]
@@ -36,16 +37,23 @@ class DecoderLayer:
         np.add(x, delta, out=x)
 
 
-def rope_for(config: dict, max_pos: int) -> RopeTables:
-    return RopeTables(config["rope_theta"], config["rotary_dim"], max_pos,
-                      interleaved=config["rope_style"] == "interleaved")
+def rope_for(config: ModelConfig, max_pos: int) -> RopeTables:
+    rotary_dim, head_dim = config.count("rotary_dim"), config.count("head_dim")
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise config.error(f"config rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}")
+    return RopeTables(config.number("rope_theta"), rotary_dim, max_pos,
+                      interleaved=config.choice("rope_style", ("interleaved", "split_half")) == "interleaved")
 
 
-def build(weights: Weights, config: dict, max_pos: int) -> DecoderModel:
+def dense_mlp(weights: Weights, layer: int, config: ModelConfig) -> MLP:
+    return MLP(weights, f"layers.{layer}.mlp", config.count("hidden_size"), config.count("intermediate_size"))
+
+
+def build(weights: Weights, config: ModelConfig, max_pos: int) -> DecoderModel:
     rope = rope_for(config, max_pos)
     layers = []
-    for i in range(config["num_hidden_layers"]):
+    for i in range(config.count("num_hidden_layers")):
         attention = Attention(weights, f"layers.{i}.self_attn", config, i, rope,
-                              qk_norm=config.get("qk_norm", False), output_gate=False)
-        layers.append(DecoderLayer(weights, i, config, attention, MLP(weights, f"layers.{i}.mlp")))
+                              qk_norm=config.flag("qk_norm", False), output_gate=False)
+        layers.append(DecoderLayer(weights, i, config, attention, dense_mlp(weights, i, config)))
     return DecoderModel(weights, config, layers)

@@ -7,29 +7,30 @@ The feed-forward block is a dense SwiGLU MLP or, in the MoE variants, the sparse
 
 from __future__ import annotations
 
+from basert.models.config import ModelConfig
 from basert.models.deltanet import GatedDeltaNet
-from basert.models.layers import MLP, Attention, Weights
-from basert.models.llama import DecoderLayer, rope_for
+from basert.models.layers import Attention, Weights
+from basert.models.llama import DecoderLayer, dense_mlp, rope_for
 from basert.models.moe import SparseMoE
 from basert.models.transformer import DecoderModel
 
 
-def build(weights: Weights, config: dict, max_pos: int) -> DecoderModel:
+def build(weights: Weights, config: ModelConfig, max_pos: int) -> DecoderModel:
     rope = rope_for(config, max_pos)
-    sparse_step = config.get("decoder_sparse_step", 1) or 1
-    dense_layers = set(config.get("mlp_only_layers", []))
+    sparse_step = config.count("decoder_sparse_step", 1)
+    dense_layers = config.layer_set("mlp_only_layers")
     layers = []
     kv_layer = state_layer = 0
-    for i, kind in enumerate(config["layer_types"]):
+    for i, kind in enumerate(config.layer_types()):
         if kind == "full_attention":
             mixer = Attention(weights, f"layers.{i}.self_attn", config, kv_layer, rope,
-                              qk_norm=True, output_gate=config.get("attn_output_gate", True))
+                              qk_norm=True, output_gate=config.flag("attn_output_gate", True))
             kv_layer += 1
         else:
             mixer = GatedDeltaNet(weights, f"layers.{i}.linear_attn", config, state_layer)
             state_layer += 1
         moe = (weights.has(f"layers.{i}.ffn_gate_exps.weight") and i not in dense_layers
                and (i + 1) % sparse_step == 0)
-        feed_forward = SparseMoE(weights, i, config) if moe else MLP(weights, f"layers.{i}.mlp")
+        feed_forward = SparseMoE(weights, i, config) if moe else dense_mlp(weights, i, config)
         layers.append(DecoderLayer(weights, i, config, mixer, feed_forward))
     return DecoderModel(weights, config, layers)

@@ -1,0 +1,68 @@
+"""ASGI middleware around the app: answers sent before the request body was read, and requests in flight.
+
+An early answer (401, 404, 405, 413, or a 400 before the body is read) must not leave a kept-alive
+connection dead. On HTTP/1.x the answer says `Connection: close`, so the client opens a new connection
+for its next request. On HTTP/2 the end of the answer waits until the client has sent its whole body
+(bounded), because a stream must not be closed while the client still sends on it.
+"""
+
+from __future__ import annotations
+
+import trio
+
+# How long an HTTP/2 answer waits for the rest of a body it does not need.
+BODY_DRAIN_SECONDS = 30.0
+
+
+def _declares_body(scope: dict) -> bool:
+    for name, value in scope.get("headers", ()):
+        name = name.lower()
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
+            return True
+    return False
+
+
+class RequestGuard:
+    """Wraps the ASGI app: counts requests in flight, and keeps connections usable after early answers."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.in_flight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight."""
+        await self._idle.wait()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body_complete = trio.Event()
+        if not _declares_body(scope):
+            body_complete.set()
+        http1 = scope.get("http_version", "1.1").startswith("1")
+
+        async def tracking_receive():
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                body_complete.set()
+            return message
+
+        async def guarded_send(message) -> None:
+            if message["type"] == "http.response.start" and http1 and not body_complete.is_set():
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False) and not http1:
+                with trio.move_on_after(BODY_DRAIN_SECONDS):
+                    await body_complete.wait()
+            await send(message)
+
+        self.in_flight += 1
+        self._idle = trio.Event() if self.in_flight == 1 else self._idle
+        try:
+            await self.app(scope, tracking_receive, guarded_send)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
