@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -19,6 +20,7 @@ from basert.server.files import (
     UnsafeFilenameError,
     safe_child,
 )
+from test_saves_killed import DISK_ERROR, storage_error_message
 
 ID_RE = re.compile(r"file-[0-9a-f]{24}")
 
@@ -45,6 +47,12 @@ def test_safe_child_length_limit_is_255_bytes(tmp_path: Path) -> None:
     # 128 two-byte characters: under 255 characters, over 255 bytes.
     with pytest.raises(UnsafeFilenameError):
         safe_child(tmp_path, "é" * 128)
+
+
+def test_safe_child_refuses_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(UnsafeFilenameError, match="directory"):
+        safe_child(tmp_path, "folder")
 
 
 def test_safe_child_refuses_a_symlink_pointing_outside(tmp_path: Path) -> None:
@@ -291,3 +299,77 @@ def test_create_from_path_refuses_a_symlink_source(tmp_path: Path) -> None:
         store.create_from_path(tmp_path / "link.bin", "x", "slot_snapshot")
     assert store_entries(tmp_path / "files") == []
     assert (tmp_path / "link.bin").is_symlink()
+
+
+# Saves interrupted by a kill or a disk error
+
+
+def test_files_left_by_killed_saves_are_removed_at_start_and_look_alikes_kept(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = FilesStore(tmp_path)
+    kept = store.create(b"kept", "kept", "batch")
+    partial = store.new_partial_path().name
+    orphan = "file-" + "a" * 24
+    left = [f".{orphan}.data.k3y_9abc.tmp", f".{kept.id}.json.a1b2c3d4.tmp", partial, f".{partial}.qwertyui.tmp",
+            f"{orphan}.data"]
+    look_alikes = [".slot-123.partial", "slot-" + "0" * 32 + ".partial", ".slot-" + "0" * 32 + ".partial.bak",
+                   "file-abc.data", f"{orphan}.data.tmp", ".notes.tmp", "notes.txt"]
+    for name in left + look_alikes:
+        (tmp_path / name).write_bytes(b"left")
+    (tmp_path / ("file-" + "b" * 24 + ".data")).mkdir()                              # a folder
+    os.symlink(tmp_path / "notes.txt", tmp_path / (".slot-" + "c" * 32 + ".partial"))  # a link
+    with caplog.at_level(logging.INFO, logger="basert.storage"):
+        reopened = FilesStore(tmp_path)
+    assert "Removed 5 files" in caplog.text
+    not_files = ["file-" + "b" * 24 + ".data", ".slot-" + "c" * 32 + ".partial"]
+    assert store_entries(tmp_path) == sorted(look_alikes + not_files + [f"{kept.id}.data", f"{kept.id}.json"])
+    assert reopened.list() == [kept] and reopened.content(kept.id) == b"kept"
+
+
+def test_an_upload_that_hits_a_disk_error_raises_storage_error_and_stores_nothing(tmp_path: Path) -> None:
+    store = FilesStore(tmp_path, max_bytes=1_000_000)
+    kept = store.create(b"kept", "kept", "batch")
+    message = storage_error_message(65536, """
+        from basert.server.files import FilesStore
+        FilesStore(sys.argv[1], max_bytes=1_000_000).create(b"x" * 100_000, "big.bin", "user_data")
+    """, str(tmp_path))
+    assert message == f"file upload {DISK_ERROR}"
+    assert store_entries(tmp_path) == sorted([f"{kept.id}.data", f"{kept.id}.json"])
+    assert store.list() == [kept] and store.total_bytes() == 4
+
+
+def test_a_slot_handover_that_hits_a_disk_error_raises_storage_error_and_stores_nothing(tmp_path: Path) -> None:
+    store = FilesStore(tmp_path / "files")
+    kept = store.create(b"kept", "kept", "batch")
+    source = tmp_path / "snapshot.partial"
+    source.write_bytes(b"s" * 100)
+    # The rename succeeds; writing the metadata (over 100 bytes) fails, so the moved content goes too.
+    message = storage_error_message(100, """
+        from pathlib import Path
+        from basert.server.files import FilesStore
+        FilesStore(sys.argv[1]).create_from_path(Path(sys.argv[2]), "slot0.bin", "slot_snapshot")
+    """, str(tmp_path / "files"), str(source))
+    assert message == f"slot save {DISK_ERROR}"
+    assert store_entries(tmp_path / "files") == sorted([f"{kept.id}.data", f"{kept.id}.json"])
+    assert store.list() == [kept]
+
+
+def test_a_slot_copy_across_filesystems_that_hits_a_disk_error_stores_nothing(tmp_path: Path) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem other than tmp_path's")
+    store = FilesStore(tmp_path)
+    fd, name = tempfile.mkstemp(dir=shm)
+    os.write(fd, b"s" * 10_000)
+    os.close(fd)
+    try:
+        message = storage_error_message(4096, """
+            from pathlib import Path
+            from basert.server.files import FilesStore
+            FilesStore(sys.argv[1]).create_from_path(Path(sys.argv[2]), "slot0.bin", "slot_snapshot")
+        """, str(tmp_path), name)
+        assert Path(name).stat().st_size == 10_000
+    finally:
+        Path(name).unlink(missing_ok=True)
+    assert message == f"slot save {DISK_ERROR}"
+    assert store_entries(tmp_path) == []

@@ -13,6 +13,7 @@ from basert.engine.prefix_cache import PrefixCache
 from basert.engine.prefix_store import PrefixCacheFileError, load_prefix_cache, prefix_cache_file, save_prefix_cache
 from basert.engine.runner import ModelRunner
 from test_engine_lanes import make_engine, request, run
+from test_saves_killed import DISK_ERROR, storage_error_message
 
 
 def filled_engine(path: Path):
@@ -78,3 +79,43 @@ def test_damaged_and_foreign_files_are_refused_without_side_effects(tiny_f32_bas
 
 def test_file_name_is_flat_beside_the_path(tmp_path: Path):
     assert prefix_cache_file(tmp_path / "pc", "org/name") == tmp_path / "pc.org--name"
+
+
+def test_a_load_first_removes_the_temp_files_of_killed_saves_of_this_file_only(tiny_f32_bases: dict[str, Path],
+                                                                             tmp_path: Path):
+    engine, _ = filled_engine(tiny_f32_bases["qwen3-tiny"])
+    path = prefix_cache_file(tmp_path / "pc", "org/model")
+    saved = save_prefix_cache(engine.runner, engine.prefix_cache, path)
+    ours = [f".{path.name}.a1b2c3d4.tmp", f".{path.name}.x_y_z_09.tmp"]
+    look_alikes = [".pc.org--other.a1b2c3d4.tmp", f".{path.name}.tmp", f"{path.name}.a1b2c3d4.tmp",
+                   ".snap.a1b2c3d4.tmp"]
+    for name in ours + look_alikes:
+        (tmp_path / name).write_bytes(b"half a file")
+    (tmp_path / f".{path.name}.dirdirdi.tmp").mkdir()
+    runner, cache = empty_cache(tiny_f32_bases["qwen3-tiny"])
+    assert load_prefix_cache(runner, cache, path) == saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(look_alikes + [path.name, f".{path.name}.dirdirdi.tmp"])
+    # With no cache file yet (the first save was killed), the temp file still goes.
+    (tmp_path / ours[0]).write_bytes(b"half a file")
+    path.unlink()
+    with pytest.raises(FileNotFoundError):
+        load_prefix_cache(runner, cache, path)
+    assert not (tmp_path / ours[0]).exists()
+
+
+def test_a_save_that_hits_a_disk_error_raises_storage_error_and_keeps_the_previous_file(
+        tiny_f32_bases: dict[str, Path], tmp_path: Path):
+    engine, _ = filled_engine(tiny_f32_bases["qwen3_5-tiny"])
+    path = tmp_path / "pc.model"
+    save_prefix_cache(engine.runner, engine.prefix_cache, path)
+    before = path.read_bytes()
+    message = storage_error_message(len(before) // 2, """
+        from pathlib import Path
+        from basert.engine.prefix_store import save_prefix_cache
+        from test_prefix_store import filled_engine
+        engine, _ = filled_engine(Path(sys.argv[1]))
+        save_prefix_cache(engine.runner, engine.prefix_cache, Path(sys.argv[2]))
+    """, str(tiny_f32_bases["qwen3_5-tiny"]), str(path))
+    assert message == f"prefix cache save {DISK_ERROR}"
+    assert [p.name for p in tmp_path.iterdir()] == ["pc.model"]
+    assert path.read_bytes() == before

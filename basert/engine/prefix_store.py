@@ -6,7 +6,8 @@ parents[n], int32 tokens[n, block size], per attention layer K then V as [n, n_k
 head_dim], then u64 snapshot keys[m] and the float32 conv [m, ...] and ssm [m, ...] states.
 
 The file sits beside the configured path as `PATH.<model id with "/" replaced by "--">`. It is written
-atomically; a load validates every length, the fingerprint and every key before touching the pool.
+atomically; a load first removes the temp files of killed saves, then validates every length, the
+fingerprint and every key before touching the pool.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from basert.engine.kv import BLOCK_SIZE
 from basert.engine.prefix_cache import PrefixCache
 from basert.engine.runner import ModelRunner
 from basert.engine.sequence import RecurrentState
-from basert.format.atomic import atomic_file
+from basert.format.atomic import atomic_file, remove_stale_temp_files, storage_errors
 from basert.format.framed import read_frame, write_frame
 
 MAGIC = b"BPXC"
@@ -50,26 +51,30 @@ def _layout(runner: ModelRunner, recurrent: RecurrentState | None) -> dict:
 
 
 def save_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> int:
-    """Write every cached block and snapshot to `path` atomically; the number of blocks written."""
+    """Write every cached block and snapshot to `path` atomically; the number of blocks written.
+
+    A disk error raises StorageError and leaves the previous file as it was.
+    """
     entries = list(cache.entries.items())
     blocks = np.array([entry.block for _, entry in entries], dtype=np.int64)
     snapshots = [(key, stored.state) for key, stored in cache.snapshots.items() if key in cache.entries]
     header = _layout(runner, runner.new_sequence().recurrent if runner.n_linear_layers else None)
     header.update(n_blocks=len(entries), n_snapshots=len(snapshots))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as out:
-        write_frame(out, MAGIC, VERSION, header)
-        out.write(np.array([key for key, _ in entries], dtype=np.uint64).tobytes())
-        out.write(np.array([entry.parent for _, entry in entries], dtype=np.uint64).tobytes())
-        out.write(np.array([entry.tokens for _, entry in entries], dtype=np.int32).reshape(-1).tobytes())
-        for layer in range(runner.n_attention_layers):
-            out.write(np.ascontiguousarray(runner.kv.k[layer][blocks]).tobytes())
-            out.write(np.ascontiguousarray(runner.kv.v[layer][blocks]).tobytes())
-        out.write(np.array([key for key, _ in snapshots], dtype=np.uint64).tobytes())
-        for _, state in snapshots:
-            out.write(state.conv.tobytes())
-        for _, state in snapshots:
-            out.write(state.ssm.tobytes())
+    with storage_errors("prefix cache save"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as out:
+            write_frame(out, MAGIC, VERSION, header)
+            out.write(np.array([key for key, _ in entries], dtype=np.uint64).tobytes())
+            out.write(np.array([entry.parent for _, entry in entries], dtype=np.uint64).tobytes())
+            out.write(np.array([entry.tokens for _, entry in entries], dtype=np.int32).reshape(-1).tobytes())
+            for layer in range(runner.n_attention_layers):
+                out.write(np.ascontiguousarray(runner.kv.k[layer][blocks]).tobytes())
+                out.write(np.ascontiguousarray(runner.kv.v[layer][blocks]).tobytes())
+            out.write(np.array([key for key, _ in snapshots], dtype=np.uint64).tobytes())
+            for _, state in snapshots:
+                out.write(state.conv.tobytes())
+            for _, state in snapshots:
+                out.write(state.ssm.tobytes())
     return len(entries)
 
 
@@ -88,8 +93,11 @@ class _Reader:
 def load_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> int:
     """Fill an empty cache from `path` (as many blocks as the pool has free); the number of blocks loaded.
 
-    Raises PrefixCacheFileError (or OSError) without changing anything when the file is unusable.
+    Temp files that killed saves left beside `path` are removed first, so call this before any save.
+    Raises PrefixCacheFileError (or OSError, FileNotFoundError when there is no file yet) without changing
+    the cache when the file is unusable.
     """
+    remove_stale_temp_files(path.parent, path.name)
     data = path.read_bytes()
     header, offset = read_frame(data, MAGIC, VERSION, "prefix cache file", PrefixCacheFileError)
     try:

@@ -16,7 +16,7 @@ import numpy as np
 from basert.engine.engine import MAX_LANE_CHECKPOINTS, Checkpoint, Engine, Lane
 from basert.engine.kv import BLOCK_SIZE, blocks_for
 from basert.engine.runner import ModelRunner
-from basert.format.atomic import atomic_file
+from basert.format.atomic import atomic_file, storage_errors
 from basert.format.framed import read_frame, write_frame
 
 MAGIC = b"BSLT"
@@ -57,12 +57,12 @@ def _header(runner: ModelRunner, lane: Lane) -> dict:
 
 
 def save_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
-    """Write the lane's state to `path` atomically; returns what was written."""
+    """Write the lane's state to `path` atomically; returns what was written. A disk error raises StorageError."""
     seq = lane.sequence
     header = _header(runner, lane)
     n = seq.n_past
     blocks = seq.block_table.view()
-    with atomic_file(path) as out:
+    with storage_errors("slot save"), atomic_file(path) as out:
         write_frame(out, MAGIC, VERSION, header)
         out.write(np.asarray(seq.tokens, dtype=np.int32).tobytes())
         for layer in range(runner.n_attention_layers):
@@ -74,7 +74,8 @@ def save_lane(runner: ModelRunner, lane: Lane, path: Path) -> SnapshotInfo:
             for checkpoint in lane.checkpoints:
                 out.write(checkpoint.state.conv.tobytes())
                 out.write(checkpoint.state.ssm.tobytes())
-    return SnapshotInfo(n, path.stat().st_size)
+        n_bytes = out.tell()
+    return SnapshotInfo(n, n_bytes)
 
 
 def restore_lane(engine: Engine, lane: Lane, path: Path) -> SnapshotInfo:

@@ -14,14 +14,18 @@ import shutil
 import stat
 import threading
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from basert.format.atomic import atomic_file, fsync_directory
+from basert.format.atomic import atomic_file, fsync_directory, remove_leftovers, stale_temp_files, storage_errors
 
 MAX_FILENAME_LENGTH = 255
 _ID_PATTERN = re.compile(r"file-[0-9a-f]{24}")
+_PARTIAL_PATTERN = re.compile(r"\.slot-[0-9a-f]{32}\.partial")  # the names new_partial_path gives
 
 
 class UnsafeFilenameError(ValueError):
@@ -67,6 +71,8 @@ def safe_child(directory: Path, filename: str) -> Path:
     # A symlink inside the directory may point anywhere; only its final target counts.
     if resolved == root or not resolved.is_relative_to(root):
         raise UnsafeFilenameError(f"filename leads outside the directory: {filename!r}")
+    if resolved.is_dir():
+        raise UnsafeFilenameError(f"filename names a directory: {filename!r}")
     return child
 
 
@@ -90,7 +96,8 @@ class FilesStore:
     """Files in one directory: `<id>.data` holds the content, `<id>.json` the metadata.
 
     A file is listed only once its `.json` exists, and both are written to a temporary file and
-    renamed into place, so a crash never leaves a half-written file visible.
+    renamed into place, so a crash never leaves a half-written file visible; what a killed save
+    leaves behind is removed when a store opens the directory. A disk error raises StorageError.
     """
 
     def __init__(self, directory: Path, max_bytes: int | None = None):
@@ -102,23 +109,28 @@ class FilesStore:
         # Requests run in worker threads; the size check and the write must not interleave.
         self._lock = threading.Lock()
         self._last_created_ns = 0
+        self._remove_leftovers()
+
+    def new_partial_path(self) -> Path:
+        """A fresh path in the store's directory for a snapshot to write and then hand to create_from_path."""
+        return self.directory / f".slot-{uuid.uuid4().hex}.partial"
 
     def create(self, content: bytes, filename: str, purpose: str) -> StoredFile:
         """Store `content` under a new id."""
         _check_metadata_filename(filename)
         with self._lock:
             self._check_room(len(content))
-            file_id = self._new_id()
-            data_path = self._data_path(file_id)
-            self._write_atomically(data_path, content)
-            return self._commit(file_id, filename, purpose, len(content))
+            with self._storing("file upload") as file_id:
+                self._write_atomically(self._data_path(file_id), content)
+                return self._commit(file_id, filename, purpose, len(content))
 
     def create_from_path(self, source: Path, filename: str, purpose: str) -> StoredFile:
         """Move the finished file at `source` into the store under a new id.
 
-        Slot snapshots are written by the snapshot code to a path of its choosing and handed over
-        whole: a rename when `source` is on the store's filesystem, else a copy. On success `source`
-        is gone; when refused (store full, not a regular file) it is untouched and nothing is stored.
+        Slot snapshots are written by the snapshot code to a path of its choosing (new_partial_path)
+        and handed over whole: a rename when `source` is on the store's filesystem, else a copy. On
+        success `source` is gone; when refused (store full, not a regular file) it is untouched and
+        nothing is stored; on a disk error (StorageError) nothing is stored.
         """
         _check_metadata_filename(filename)
         source = Path(source)
@@ -128,18 +140,9 @@ class FilesStore:
             if not stat.S_ISREG(source_stat.st_mode):
                 raise ValueError(f"not a regular file: {source}")
             self._check_room(source_stat.st_size)
-            file_id = self._new_id()
-            data_path = self._data_path(file_id)
-            try:
-                _fsync_file(source)
-                os.replace(source, data_path)
-            except OSError as exc:
-                if exc.errno != errno.EXDEV:
-                    raise
-                self._copy_in(source, data_path)
-            else:
-                self._fsync_directory()
-            return self._commit(file_id, filename, purpose, source_stat.st_size)
+            with self._storing("slot save") as file_id:
+                self._move_in(source, self._data_path(file_id))
+                return self._commit(file_id, filename, purpose, source_stat.st_size)
 
     def list(self, purpose: str | None = None) -> list[StoredFile]:
         """Stored files, newest first, optionally only those with `purpose`."""
@@ -201,25 +204,49 @@ class FilesStore:
             if not self._meta_path(file_id).exists() and not self._data_path(file_id).exists():
                 return file_id
 
-    def _copy_in(self, source: Path, data_path: Path) -> None:
-        with open(source, "rb") as reader:
-            self._write_atomically(data_path, reader)
+    def _remove_leftovers(self) -> None:
+        """Remove what killed saves left: temp files, partial snapshots, content whose metadata was never written."""
+        leftovers = stale_temp_files(self.directory)
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                file_id = entry.name.removesuffix(".data")
+                orphan = file_id != entry.name and _ID_PATTERN.fullmatch(file_id) \
+                    and not self._meta_path(file_id).exists()
+                if (orphan or _PARTIAL_PATTERN.fullmatch(entry.name)) and entry.is_file(follow_symlinks=False):
+                    leftovers.append(self.directory / entry.name)
+        remove_leftovers(leftovers, self.directory)
+
+    @contextmanager
+    def _storing(self, operation: str) -> Iterator[str]:
+        """A new id whose content and metadata the block writes; if it fails, neither remains."""
+        file_id = self._new_id()
+        with storage_errors(operation):
+            try:
+                yield file_id
+            except BaseException:
+                self._meta_path(file_id).unlink(missing_ok=True)
+                self._data_path(file_id).unlink(missing_ok=True)
+                raise
+
+    def _move_in(self, source: Path, data_path: Path) -> None:
         try:
+            _fsync_file(source)
+            os.replace(source, data_path)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            with open(source, "rb") as reader:
+                self._write_atomically(data_path, reader)
             source.unlink()
-        except BaseException:
-            data_path.unlink(missing_ok=True)
-            raise
+        else:
+            self._fsync_directory()
 
     def _commit(self, file_id: str, filename: str, purpose: str, size: int) -> StoredFile:
         # Nanoseconds, strictly increasing, so files created within one second still list newest first.
         created_ns = max(time.time_ns(), self._last_created_ns + 1)
         self._last_created_ns = created_ns
         meta = {"id": file_id, "filename": filename, "purpose": purpose, "bytes": size, "created_ns": created_ns}
-        try:
-            self._write_atomically(self._meta_path(file_id), json.dumps(meta).encode())
-        except BaseException:
-            self._data_path(file_id).unlink(missing_ok=True)
-            raise
+        self._write_atomically(self._meta_path(file_id), json.dumps(meta).encode())
         return StoredFile(id=file_id, filename=filename, purpose=purpose, bytes=size,
                           created_at=created_ns // 1_000_000_000)
 
