@@ -80,6 +80,7 @@ class Tokenizer:
 
     __slots__ = (
         "_hf",
+        "_plain",
         "_token_bytes",
         "_add_bos",
         "vocab_size",
@@ -87,6 +88,7 @@ class Tokenizer:
         "eos_id",
         "eos_ids",
         "special_ids",
+        "special_pattern",
         "chat_template",
     )
 
@@ -109,6 +111,13 @@ class Tokenizer:
         self.chat_template = chat_template
         added = hf.get_added_tokens_decoder()
         self.special_ids: frozenset[int] = frozenset(i for i, token in added.items() if token.special)
+        # The same tokenizer reading special-token text as plain text (non-special added tokens still match).
+        self._plain = HFTokenizer.from_str(hf.to_str())
+        self._plain.encode_special_tokens = True
+        # Longest first, so that of two special texts starting at one place the longer wins, as in `tokenizers`;
+        # with no special tokens the pattern matches nothing.
+        texts = sorted((added[i].content for i in self.special_ids), key=len, reverse=True)
+        self.special_pattern: re.Pattern[str] = re.compile("|".join(map(re.escape, texts)) or "(?!)")
         eos_ids = set(turn_end_ids)
         if eos_id is not None:
             eos_ids.add(eos_id)
@@ -139,9 +148,10 @@ class Tokenizer:
         """The EOS token's text, for chat templates."""
         return None if self.eos_id is None else self._text_of(self.eos_id)
 
-    def encode(self, text: str, *, add_special: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in it count as one token each."""
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; special-token text in it counts as one token each unless `parse_special` is false."""
+        hf = self._hf if parse_special else self._plain
+        ids = hf.encode(text, add_special_tokens=False).ids
         if add_special and self._add_bos:
             ids.insert(0, self.bos_id)
         return ids

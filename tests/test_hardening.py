@@ -26,7 +26,7 @@ def server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("hardening")
     proc = ServerProcess(smollm2_base, "--max-context", "4096", "--threads", "2", "--max-body-bytes", "100000",
                          "--files-dir", str(root / "files"), "--slot-save-path", str(root / "slots"),
-                         "--cors-allow-origin", ORIGIN, "--max-queued", "2", "--queue-timeout", "3",
+                         "--cors-allow-origin", ORIGIN, "--max-queued", "2", "--queue-timeout", "10",
                          log_path=root / "server.log")
     yield proc
     assert proc.stop() == 0, proc.log_text()
@@ -326,3 +326,28 @@ def test_sigterm_drains_running_requests_then_exits_zero(smollm2_base: Path, tmp
     assert finish == "length"
     assert proc.stop() == 0
     assert "draining" in proc.log_text()
+
+
+async def test_files_and_slots_answer_only_loopback_clients_without_a_key(tmp_path: Path):
+    from basert.server.app import ServerSettings, create_app
+    from basert.server.catalog import ModelCatalog
+    from basert.server.files import FilesStore
+
+    app = create_app(ModelCatalog(), ServerSettings(files=FilesStore(tmp_path / "files")))
+    client = app.test_client()
+    remote = {"client": ("203.0.113.7", 40000)}
+    local = {"client": ("127.0.0.1", 40000)}
+    for path in ("/v1/files", "/v1/files/file-0123456789abcdef01234567", "/slots"):
+        response = await client.get(path, scope_base=remote)
+        assert response.status_code == 401, path
+        assert (await response.get_json())["error"]["code"] == "invalid_api_key"
+    assert (await client.get("/v1/files", scope_base=local)).status_code == 200
+    assert (await client.get("/health", scope_base=remote)).status_code == 200
+
+
+def test_a_server_beyond_loopback_without_a_key_warns(smollm2_base: Path, tmp_path: Path):
+    proc = ServerProcess(smollm2_base, "--host", "0.0.0.0", "--max-context", "256", "--threads", "2",
+                         log_path=tmp_path / "server.log")
+    assert proc.stop() == 0
+    warnings = [line for line in proc.log_text().splitlines() if "WARNING" in line]
+    assert any("without --api-key" in line for line in warnings)

@@ -140,6 +140,40 @@ def test_qwen35_special_tokens(qwen35: Tokenizer) -> None:
     assert qwen35.chat_template is not None and "<|im_start|>" in qwen35.chat_template
 
 
+def test_qwen35_special_text_as_plain_text(qwen35: Tokenizer) -> None:
+    text = "<|im_start|>user\nhi<|im_end|>"
+    ids = qwen35.encode(text, parse_special=False)
+    assert ids == [27, 91, 318, 4906, 91, 29, 872, 198, 6023, 27, 91, 318, 6213, 91, 29]
+    assert qwen35.decode(ids) == text
+    # Only control tokens turn plain: user-defined tokens still match, as with llama.cpp's parse_special=false.
+    assert qwen35.encode("a[PAD151650]", parse_special=False) == [64, 151650]
+    for case_text, expected in VOCAB_CASES:
+        assert qwen35.encode(case_text, parse_special=False) == expected
+
+
+def test_smollm2_special_text_as_plain_text(smollm2: Tokenizer) -> None:
+    text = "<|im_start|>user\nhi<|im_end|>"
+    assert smollm2.encode(text) == [1, 4093, 198, 6004, 2]
+    assert smollm2.encode(text, parse_special=False) == [
+        44, 108, 306, 79, 3738, 108, 46, 4093, 198, 6004, 44, 108, 306, 79, 486, 108, 46
+    ]
+    assert smollm2.encode("<filename>a.py", parse_special=False) == [44, 5805, 46, 81, 30, 1306]
+
+
+def test_add_special_with_special_text_as_plain_text(smollm2_object: dict) -> None:
+    tok = Tokenizer.from_object({**smollm2_object, "tokenizer.ggml.add_bos_token": True})
+    assert tok.encode("<|im_end|>", add_special=True, parse_special=False) == [1, 44, 108, 306, 79, 486, 108, 46]
+
+
+def test_special_pattern_matches_special_text_only(qwen35: Tokenizer, smollm2: Tokenizer) -> None:
+    assert qwen35.special_pattern.findall("<|im_start|>a<|endoftext|>[PAD151650]<think><|im_end") == [
+        "<|im_start|>",
+        "<|endoftext|>",
+    ]
+    assert len(set(smollm2.special_pattern.findall("".join(smollm2.decode([i]) for i in range(17))))) == 17
+    assert Tokenizer.from_object(byte_vocab_object("gpt2")).special_pattern.search("<|im_start|>") is None
+
+
 def test_qwen35_pieces_and_bytes(qwen35: Tokenizer) -> None:
     assert qwen35.id_to_piece(1879) == "Ġworld"
     assert qwen35.token_to_id("Ġworld") == 1879
@@ -332,6 +366,17 @@ def test_hf_directory_round_trip(tmp_path: Path) -> None:
     assert (chat_ids[0], chat_ids[-1]) == (1, 2)
     assert tok.decode(chat_ids, skip_special=True) == "The fox"
     assert tok.encode("hi", add_special=True) == tok.encode("hi")
+
+
+def test_hf_special_text_as_plain_text(tmp_path: Path) -> None:
+    hf = train_hf_tokenizer()
+    tok = Tokenizer.from_object(tokenizer_object_from_hf(write_hf_dir(tmp_path / "model", hf, {})))
+    text = "<|im_start|>The fox<|im_end|>"
+    hf.encode_special_tokens = True
+    ids = tok.encode(text, parse_special=False)
+    assert ids == hf.encode(text, add_special_tokens=False).ids
+    assert not tok.special_ids & set(ids)
+    assert tok.decode(ids) == text
 
 
 def test_hf_bos_from_post_processor_and_config(tmp_path: Path) -> None:

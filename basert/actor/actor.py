@@ -47,6 +47,39 @@ class SlotNotFoundError(LookupError):
         self.slot = slot
 
 
+class SlotOutOfRangeError(ValueError):
+    """A generation asked for a slot the model does not have, so it could never be admitted."""
+
+    def __init__(self, slot: int, n_slots: int):
+        super().__init__(f"id_slot {slot} is not a slot of this model (slots 0..{n_slots - 1}, or -1 for any)")
+        self.slot = slot
+
+
+class ServerBusyError(RuntimeError):
+    """The model's queue is full: the request was refused without waiting."""
+
+    def __init__(self, max_queued: int, retry_after: int):
+        super().__init__(f"the server is busy: {max_queued} requests are already waiting for this model; retry later")
+        self.retry_after = retry_after
+
+
+class QueueTimeoutError(RuntimeError):
+    """The request waited for a slot longer than the queue allows, and was dropped before it started."""
+
+    def __init__(self, waited: float, retry_after: int):
+        super().__init__(f"the request waited {waited:.0f} s for a free slot without starting; retry later")
+        self.retry_after = retry_after
+
+
+@dataclass(slots=True)
+class Queued:
+    """A generation waiting for a lane, and when it stops waiting."""
+
+    message: Generate
+    queued_at: float
+    expires_at: float
+
+
 @dataclass(slots=True)
 class SlotOperationResult:
     slot: int
@@ -60,7 +93,7 @@ class ModelActor:
 
     def __init__(self, model_id: str, engine: Engine, *, max_running: int = 1,
                  token_budget: int = DEFAULT_TOKEN_BUDGET, cache_file: Path | None = None,
-                 cache_save_interval: float = 0.0):
+                 cache_save_interval: float = 0.0, max_queued: int = 64, queue_timeout: float = 600.0):
         self.model_id = model_id
         self.engine = engine
         self.max_running = max_running        # lanes generating at once (continuous batching: all of them)
@@ -68,31 +101,34 @@ class ModelActor:
         self.cache_file = cache_file
         self.cache_save_interval = cache_save_interval
         self.cache_save_failures = 0
+        self.max_queued = max_queued          # generations waiting for a lane; more are refused at once
+        self.queue_timeout = queue_timeout    # seconds a generation may wait for a lane
+        self.refused = 0
+        self.timed_out_in_queue = 0
         self._next_cache_save = math.inf
         self.mailbox, self._inbox = trio.open_memory_channel[Message](math.inf)
-        self.waiting: deque[Generate] = deque()
+        self.waiting: deque[Queued] = deque()
         self.admin: deque[Message] = deque()
         self.replies: dict[str, trio.MemorySendChannel] = {}
         self.lane_requests: dict[int, str] = {}
         self.steps = 0
 
     # --- the task -----------------------------------------------------------------------------
+    @property
+    def n_slots(self) -> int:
+        return len(self.engine.lanes)
+
     async def run(self) -> None:
         if self.cache_file is not None and self.cache_save_interval > 0:
             self._next_cache_save = trio.current_time() + self.cache_save_interval
         async with self._inbox:
             while True:
-                if not (self.engine.has_work or self.waiting or self.admin):
-                    with trio.move_on_at(self._next_cache_save):
-                        self._handle(await self._inbox.receive())
-                if trio.current_time() >= self._next_cache_save:
-                    await trio.to_thread.run_sync(self.save_prefix_cache)
-                    self._next_cache_save = trio.current_time() + self.cache_save_interval
                 while True:
                     try:
                         self._handle(self._inbox.receive_nowait())
                     except trio.WouldBlock:
                         break
+                self._expire_waiting()
                 await self._run_admin()
                 self._admit()
                 if self.engine.has_work:
@@ -100,21 +136,66 @@ class ModelActor:
                     events = await trio.to_thread.run_sync(self.engine.step, plan)
                     self.steps += 1
                     self._dispatch(events)
-                elif self.admin:
-                    # Admin work waits for a busy slot that is not stepping: yield to the loop.
-                    await trio.sleep(0.001)
+                else:
+                    # Every pass without a step waits for something (a message, a queue deadline, the
+                    # cache save, or a moment for a busy slot's admin work), so the loop never spins.
+                    wake = min(self._next_cache_save, self._next_expiry())
+                    if self.admin:
+                        wake = min(wake, trio.current_time() + 0.001)
+                    with trio.move_on_at(wake):
+                        self._handle(await self._inbox.receive())
+                if trio.current_time() >= self._next_cache_save:
+                    await trio.to_thread.run_sync(self.save_prefix_cache)
+                    self._next_cache_save = trio.current_time() + self.cache_save_interval
 
     def _handle(self, message: Message) -> None:
         if isinstance(message, Generate):
-            self.replies[message.request.request_id] = message.reply
-            self.waiting.append(message)
+            self._enqueue(message)
         elif isinstance(message, Cancel):
             self._cancel(message.request_id)
         else:
             self.admin.append(message)
 
+    def _enqueue(self, message: Generate) -> None:
+        """Queue a generation, or answer it at once when it can never run or the queue is full."""
+        request_id = message.request.request_id
+        self.replies[request_id] = message.reply
+        hint = message.slot_hint
+        if hint is not None and not 0 <= hint < self.n_slots:
+            self._reply(request_id, Failed(SlotOutOfRangeError(hint, self.n_slots)), final=True)
+            return
+        if len(self.waiting) >= self.max_queued:
+            self.refused += 1
+            self._reply(request_id, Failed(ServerBusyError(self.max_queued, retry_after=1)), final=True)
+            return
+        now = trio.current_time()
+        expires_at = now + self.queue_timeout
+        deadline = message.request.deadline
+        if deadline is not None:
+            # The request timeout counts from arrival: time spent queued is part of it.
+            expires_at = min(expires_at, now + max(0.0, deadline - time.monotonic()))
+        self.waiting.append(Queued(message, now, expires_at))
+
+    def _next_expiry(self) -> float:
+        return min((queued.expires_at for queued in self.waiting), default=math.inf)
+
+    def _expire_waiting(self) -> None:
+        """Answer queued generations whose wait is over with a 503 (they never started)."""
+        now = trio.current_time()
+        if now < self._next_expiry():
+            return
+        still_waiting: deque[Queued] = deque()
+        for queued in self.waiting:
+            if now >= queued.expires_at:
+                self.timed_out_in_queue += 1
+                error = QueueTimeoutError(now - queued.queued_at, retry_after=1)
+                self._reply(queued.message.request.request_id, Failed(error), final=True)
+            else:
+                still_waiting.append(queued)
+        self.waiting = still_waiting
+
     def _cancel(self, request_id: str) -> None:
-        self.waiting = deque(g for g in self.waiting if g.request.request_id != request_id)
+        self.waiting = deque(q for q in self.waiting if q.message.request.request_id != request_id)
         self.engine.cancel(request_id)
         reply = self.replies.pop(request_id, None)
         if reply is not None:
@@ -124,22 +205,22 @@ class ModelActor:
                 del self.lane_requests[lane]
 
     def _admit(self) -> None:
-        still_waiting: deque[Generate] = deque()
+        still_waiting: deque[Queued] = deque()
         running = sum(lane.busy for lane in self.engine.lanes)
         while self.waiting:
-            message = self.waiting.popleft()
+            queued = self.waiting.popleft()
             if running >= self.max_running:
-                still_waiting.append(message)
+                still_waiting.append(queued)
                 continue
+            message = queued.message
             request = message.request
             if message.slot_hint is not None:
-                lanes = self.engine.lanes
-                lane = lanes[message.slot_hint] if 0 <= message.slot_hint < len(lanes) else None
-                lane = lane if lane is not None and not lane.busy else None
+                lane = self.engine.lanes[message.slot_hint]  # in range: checked on arrival
+                lane = None if lane.busy else lane
             else:
                 lane = self.engine.free_lane(request.prompt)
             if lane is None:
-                still_waiting.append(message)
+                still_waiting.append(queued)
                 continue
             try:
                 self.engine.admit(request, lane)
@@ -234,6 +315,7 @@ class ModelActor:
         pool = self.engine.runner.pool
         cache = self.engine.prefix_cache
         return {"model": self.model_id, "steps": self.steps, "waiting": len(self.waiting),
+                "refused": self.refused, "timed_out_in_queue": self.timed_out_in_queue,
                 "busy_slots": sum(lane.busy for lane in self.engine.lanes),
                 "kv_blocks_total": pool.n_blocks, "kv_blocks_used": pool.n_used,
                 "prefix_cache": cache.stats() if cache is not None else None,
@@ -245,11 +327,11 @@ class ModelActor:
         cache, path = self.engine.prefix_cache, self.cache_file
         if cache is None or path is None:
             return 0
-        if not path.exists():
-            log.info("Prefix cache: no file at %s yet, starting cold", path)
-            return 0
         try:
             n = load_prefix_cache(self.engine.runner, cache, path)
+        except FileNotFoundError:
+            log.info("Prefix cache: no file at %s yet, starting cold", path)
+            return 0
         except (OSError, PrefixCacheFileError) as exc:
             log.warning("Prefix cache: ignoring %s (%s); starting cold", path, exc)
             return 0

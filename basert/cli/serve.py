@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
+
+from basert.server.logs import RepeatedWarningFilter
 
 log = logging.getLogger("basert.serve")
 
@@ -21,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="bind port (default 8080)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require Authorization: Bearer KEY or X-Api-Key: KEY (repeatable)")
-    p.add_argument("--api-key-file", type=Path, help="file with one API key per line")
+    p.add_argument("--api-key-file", type=Path,
+                   help="file with one API key per line (blank lines ignored; a file without a key is an error)")
     p.add_argument("--max-context", type=int, default=4096, help="context window per slot (default 4096)")
     p.add_argument("--max-tokens", type=int, default=2048, help="default max_tokens (default 2048)")
     p.add_argument("--threads", "-t", type=int, help="engine threads (default: all cores)")
@@ -54,6 +58,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slot-save-path", type=Path, help="enable llama.cpp-style slot save/restore by filename")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="largest request body accepted (default 32 MiB; larger is 413)")
+    p.add_argument("--max-queued", type=int, default=64, metavar="N",
+                   help="requests that may wait for a slot, per model (default 64); beyond it a request gets "
+                   "503 server_busy with Retry-After")
+    p.add_argument("--queue-timeout", type=float, default=600.0, metavar="SEC",
+                   help="a request still waiting for a slot after SEC seconds gets 503 queue_timeout (default 600)")
+    p.add_argument("--rate-limit", type=int, default=0, metavar="N",
+                   help="requests per minute per API key (per client address without keys); beyond it 429 with "
+                   "Retry-After (default 0: no limit)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SEC",
+                   help="on SIGTERM/SIGINT, new requests get 503 while running ones get up to SEC seconds to "
+                   "finish (default 30); then the caches are saved and the server exits 0")
+    p.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; '*' allows any origin)")
+    p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                   help="skip the check of every tensor's checksum at load (faster start, no protection "
+                   "against a damaged file)")
 
 
 def resolve_served_path(spec: str | None) -> Path:
@@ -93,7 +113,37 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return "--kv-cache-tokens must be at least 16 (one block)"
     if args.prefix_cache_save_interval < 0:
         return "--prefix-cache-save-interval must be >= 0"
+    if args.max_queued < 0:
+        return "--max-queued must be >= 0"
+    if args.queue_timeout <= 0:
+        return "--queue-timeout must be > 0"
+    if args.rate_limit < 0:
+        return "--rate-limit must be >= 0"
+    if args.drain_timeout < 0:
+        return "--drain-timeout must be >= 0"
     return None
+
+
+class StartupError(Exception):
+    """A problem that stops the server before it serves: reported as one line, exit code 1."""
+
+
+def read_api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of --api-key and --api-key-file; a key file that yields no key is refused, never ignored."""
+    keys = [key.strip() for key in args.api_key]
+    if any(not key for key in keys):
+        raise StartupError("--api-key must not be empty")
+    if args.api_key_file:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StartupError(f"cannot read --api-key-file {args.api_key_file}: {exc}") from None
+        from_file = [line.strip() for line in lines if line.strip()]
+        if not from_file:
+            raise StartupError(f"--api-key-file {args.api_key_file} has no key (one key per line); refusing to "
+                               "start without authentication")
+        keys += from_file
+    return keys
 
 
 def load_model(path: Path, args: argparse.Namespace):
@@ -113,7 +163,8 @@ def load_model(path: Path, args: argparse.Namespace):
     n_lanes = args.continuous_batching or args.slots or 1
     kv_blocks = blocks_for(args.kv_cache_tokens) if args.paged_kv and args.kv_cache_tokens else None
     runner = ModelRunner(path, max_context=args.max_context, threads=args.threads, max_sequences=n_lanes,
-                         kv_blocks=kv_blocks, kv_dtype=np.float16 if args.kv_bits == 16 else np.float32)
+                         kv_blocks=kv_blocks, kv_dtype=np.float16 if args.kv_bits == 16 else np.float32,
+                         verify_checksums=args.verify_checksums)
     tokenizer_object = runner.base.tokenizer
     tokenizer = None if tokenizer_object.get("tokenizer_type") == "none" else Tokenizer.from_object(tokenizer_object)
     source = args.chat_template.read_text() if args.chat_template else (tokenizer.chat_template if tokenizer else None)
@@ -131,7 +182,8 @@ def load_model(path: Path, args: argparse.Namespace):
     cache_file = prefix_cache_file(args.prefix_cache_file, model_id) if args.prefix_cache_file else None
     actor = ModelActor(model_id, Engine(runner, tokenizer, n_lanes=n_lanes, prefix_cache=prefix_cache),
                        max_running=n_lanes if args.continuous_batching else 1,
-                       cache_file=cache_file, cache_save_interval=args.prefix_cache_save_interval)
+                       cache_file=cache_file, cache_save_interval=args.prefix_cache_save_interval,
+                       max_queued=args.max_queued, queue_timeout=args.queue_timeout)
     log.info("%s: %d slot(s), KV %s: %d blocks of 16 tokens (%.1f MiB)%s%s", model_id, n_lanes,
              "paged" if args.paged_kv else "reserved per slot", runner.pool.n_blocks, runner.kv.nbytes / 2**20,
              ", continuous batching" if args.continuous_batching else "",
@@ -144,38 +196,67 @@ def load_model(path: Path, args: argparse.Namespace):
 def configure_logging(log_file: Path | None) -> None:
     handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RepeatedWarningFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     logging.getLogger("hypercorn.access").disabled = True
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port that is already in use before the (slow) model load, not after it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    import trio
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
-
-    from basert.server.app import ServerSettings, create_app
-    from basert.server.catalog import ModelCatalog
-    from basert.server.files import FilesStore
-    from basert.server.generation import ServerLimits
-
     configure_logging(args.log_file)
     apply_implied_flags(args)
     problem = check_arguments(args)
     if problem:
         log.error("%s", problem)
         return 2
-    keys = list(args.api_key)
-    if args.api_key_file:
-        keys += [line.strip() for line in args.api_key_file.read_text().splitlines() if line.strip()]
+    try:
+        return serve(args)
+    except StartupError as exc:
+        log.error("%s", exc)
+        return 1
+
+
+def serve(args: argparse.Namespace) -> int:
+    import trio
+    from hypercorn.config import Config
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from basert.format.atomic import remove_stale_temp_files
+    from basert.format.errors import ModelValidationError
+    from basert.server.app import ServerSettings, create_app, is_loopback
+    from basert.server.asgi import RequestGuard
+    from basert.server.catalog import ModelCatalog
+    from basert.server.files import FilesStore
+    from basert.server.generation import ServerLimits
+
+    keys = read_api_keys(args)
+    check_port_free(args.host, args.port)
+    if not keys and not is_loopback(args.host):
+        log.warning("listening on %s without --api-key: any client that reaches this address can generate; "
+                    "slot and file endpoints stay loopback-only", args.host)
     if args.slot_save_path:
         args.slot_save_path.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(args.slot_save_path)
     specs = ([args.model_arg] if args.model_arg else []) + list(args.model)
     catalog = ModelCatalog()
     for spec in specs or [None]:
         path = resolve_served_path(spec)
-        model = load_model(path, args)
+        try:
+            model = load_model(path, args)
+        except ModelValidationError as exc:
+            raise StartupError(str(exc)) from None
         catalog.add(model)
         log.info("loaded %s from %s (%s, n_ctx %d)", model.model_id, path, model.actor.engine.runner.arch,
                  model.n_ctx)
@@ -185,8 +266,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         files=FilesStore(args.files_dir, args.files_max_bytes) if args.files_dir else None,
         slot_save_path=args.slot_save_path,
         max_body_bytes=args.max_body_bytes,
+        cors_origins=list(args.cors_allow_origin),
+        rate_limit=args.rate_limit,
     )
     app = create_app(catalog, settings)
+    guarded = RequestGuard(app)
     config = Config()
     config.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
     config.accesslog = None
@@ -196,22 +280,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async def main() -> None:
         shutdown = trio.Event()
 
-        async def watch_signals() -> None:
+        async def drain() -> None:
+            app.basert_state.draining = True
+            with trio.move_on_after(args.drain_timeout) as waiting:
+                await guarded.wait_idle()
+            if waiting.cancelled_caught:
+                log.warning("drain timeout: %d request(s) still running are cancelled", guarded.in_flight)
+            shutdown.set()
+
+        async def handle_signals(nursery: trio.Nursery) -> None:
+            # The receiver stays open until the end, so a second signal cuts the drain short instead of
+            # killing the process before the caches are saved.
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
-                    log.info("received %s: shutting down", signal.Signals(signum).name)
-                    shutdown.set()
-                    return
+                    name = signal.Signals(signum).name
+                    if app.basert_state.draining:
+                        log.info("received %s again: stopping without waiting for running requests", name)
+                        shutdown.set()
+                    else:
+                        log.info("received %s: draining (new requests get 503; up to %.0f s for running ones)",
+                                 name, args.drain_timeout)
+                        nursery.start_soon(drain)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_signals)
+            nursery.start_soon(handle_signals, nursery)
             for model in catalog.models:
                 nursery.start_soon(model.actor.run)
             log.info("listening on http://%s:%d", args.host, args.port)
-            await serve(app, config, shutdown_trigger=shutdown.wait)
+            await hypercorn_serve(guarded, config, shutdown_trigger=shutdown.wait)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)  # the final save is short; a late signal must not cut it off
     for model in catalog.models:
         model.actor.save_prefix_cache()  # the actor has stopped: nothing races the save
         model.actor.engine.runner.close()
@@ -223,6 +324,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API",
                        description="Serve one or more models over an OpenAI-compatible HTTP API "
                        "(/v1/chat/completions, /v1/completions, /v1/models, /v1/tokenize, /v1/detokenize, "
-                       "/v1/files, /slots, /health, /metrics). SIGINT/SIGTERM shut down cleanly.")
+                       "/v1/files, /slots, /health, /metrics). SIGINT/SIGTERM drain: new requests get 503, running ones "
+                       "finish (up to --drain-timeout), the prefix cache is saved, exit code 0.")
     add_arguments(p)
     p.set_defaults(func=cmd_serve)

@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -19,16 +18,24 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from basert.actor.messages import SlotErase, SlotList, SlotRestore, SlotSave, Stats
+from basert.format.atomic import StorageError
 from basert.server.catalog import ModelCatalog, ServedModel
 from basert.server.chat_api import RequestRecord, chat_completion, completion
-from basert.server.errors import ApiError, invalid, not_found, not_supported, to_api_error
+from basert.server.errors import ApiError, internal_error, invalid, not_found, not_supported, to_api_error, unavailable
 from basert.server.files import FilesStore, safe_child
 from basert.server.generation import ServerLimits
+from basert.server.json_input import parse_json_object
+from basert.server.logs import printable
 from basert.server.metrics import ServerMetrics
+from basert.server.rate_limit import RateLimiter
 from basert.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SlotFileRequest, TokenizeRequest
 
 access_log = logging.getLogger("basert.access")
 SNAPSHOT_PURPOSE = "slot_snapshot"
+# Paths that hold other users' data or control the server: without an API key only loopback clients reach them.
+PROTECTED_PREFIXES = ("/slots", "/v1/files")
+CORS_ALLOWED_HEADERS = "Authorization, Content-Type, X-Api-Key"
+CORS_ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
 
 
 @dataclass(slots=True)
@@ -38,6 +45,15 @@ class ServerSettings:
     files: FilesStore | None = None
     slot_save_path: Path | None = None
     max_body_bytes: int = 32 * 1024 * 1024
+    cors_origins: list[str] = field(default_factory=list)
+    rate_limit: int = 0                      # requests per minute per API key (or client address); 0 = off
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What changes while the server runs: set `draining` and new requests are refused with a 503."""
+
+    draining: bool = False
 
 
 def is_loopback(address: str | None) -> bool:
@@ -50,7 +66,9 @@ def is_loopback(address: str | None) -> bool:
 
 
 def error_response(error: ApiError) -> Response:
-    return Response(json.dumps(error.body()), status=error.status, mimetype="application/json")
+    response = Response(json.dumps(error.body()), status=error.status, mimetype="application/json")
+    response.headers.update(error.headers)
+    return response
 
 
 def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
@@ -60,8 +78,11 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 600
     metrics = ServerMetrics()
+    state = ServerState()
     app.basert_metrics = metrics  # type: ignore[attr-defined]
+    app.basert_state = state  # type: ignore[attr-defined]
     keys = [k.encode() for k in settings.api_keys]
+    limiter = RateLimiter(settings.rate_limit) if settings.rate_limit > 0 else None
 
     def log_request(endpoint: str, status: int, started: float, record: RequestRecord | None,
                     method: str, path: str, streamed: bool = False) -> None:
@@ -78,57 +99,94 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
         access_log.info(
             "%s %s %d model=%s slot=%s prompt=%d cached=%d completion=%d prefill_tps=%.1f decode_tps=%.1f "
             "ttft_ms=%.1f total_ms=%.1f finish=%s%s%s",
-            method, path, status, r.model or "-", "-" if r.slot is None else r.slot,
+            printable(method, 16), printable(path), status, r.model or "-", "-" if r.slot is None else r.slot,
             r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.prompt_per_second, r.predicted_per_second,
             r.ttft_ms, 1000 * elapsed, r.finish_reason or ("cancelled" if streamed else "-"),
             " stream" if streamed else "", " timed_out" if r.timed_out else "",
         )
 
+    def supplied_key() -> str:
+        auth = request.headers.get("Authorization", "")
+        if auth.lower().startswith("bearer "):
+            return auth[7:].strip()
+        return request.headers.get("X-Api-Key", "")
+
+    def cors_origin() -> str | None:
+        """The Access-Control-Allow-Origin value for this request, or None."""
+        origin = request.headers.get("Origin")
+        if not origin or not settings.cors_origins:
+            return None
+        if "*" in settings.cors_origins:
+            return "*"
+        return origin if origin in settings.cors_origins else None
+
     @app.before_request
-    async def authenticate() -> Response | None:
+    async def admit_request() -> Response | None:
         request.basert_started = time.monotonic()  # type: ignore[attr-defined]
+        if request.method == "OPTIONS":
+            # A CORS preflight carries no credentials; it is answered (or refused by the browser) without a key.
+            response = Response(b"", status=204)
+            response.headers["Access-Control-Allow-Methods"] = CORS_ALLOWED_METHODS
+            response.headers["Access-Control-Allow-Headers"] = CORS_ALLOWED_HEADERS
+            response.headers["Access-Control-Max-Age"] = "600"
+            return response
+        if state.draining:
+            return error_response(unavailable("the server is shutting down", "draining", retry_after=5))
         if request.path == "/health":
             return None
+        key = supplied_key()
         if keys:
-            supplied = request.headers.get("X-Api-Key", "")
-            auth = request.headers.get("Authorization", "")
-            if auth.lower().startswith("bearer "):
-                supplied = auth[7:].strip()
-            given = supplied.encode()
-            if not any(hmac.compare_digest(given, key) for key in keys):
+            given = key.encode("utf-8", errors="surrogateescape")
+            if not any(hmac.compare_digest(given, k) for k in keys):
                 return error_response(ApiError(401, "invalid or missing API key", type="authentication_error",
                                                code="invalid_api_key"))
-        elif request.path.startswith("/slots") and not is_loopback(request.remote_addr):
-            return error_response(ApiError(401, "slot admin endpoints need --api-key when served beyond "
+        elif request.path.startswith(PROTECTED_PREFIXES) and not is_loopback(request.remote_addr):
+            return error_response(ApiError(401, "slot and file endpoints need --api-key when served beyond "
                                            "loopback", type="authentication_error", code="invalid_api_key"))
+        if limiter is not None:
+            retry_after = limiter.retry_after(key if keys else (request.remote_addr or ""))
+            if retry_after is not None:
+                return error_response(ApiError(
+                    429, f"rate limit of {settings.rate_limit} requests per minute reached",
+                    type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)}))
         return None
+
+    @app.after_request
+    async def finish_response(response: Response) -> Response:
+        origin = cors_origin()
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            if origin != "*":
+                response.headers["Vary"] = "Origin"
+        if not getattr(request, "basert_streamed", False):  # a stream logs itself when it ends
+            started = getattr(request, "basert_started", time.monotonic())
+            log_request(endpoint_name(), response.status_code, started, getattr(request, "basert_record", None),
+                        request.method, request.path)
+        return response
 
     @app.errorhandler(Exception)
     async def handle_error(exc: Exception) -> Response:
         original = getattr(exc, "original_exception", None)
         if isinstance(exc, HTTPException) and original is not None:
             exc = original
-        if isinstance(exc, HTTPException):
-            if exc.code == 404:
-                error = not_found(f"route {request.method} {request.path} not found", "route_not_found")
-            elif exc.code == 413:
-                error = ApiError(413, f"request body exceeds {settings.max_body_bytes} bytes",
-                                 code="request_too_large")
-            elif exc.code == 405:
-                error = ApiError(405, f"method {request.method} not allowed on {request.path}",
-                                 code="method_not_allowed")
-            else:
-                error = ApiError(exc.code or 500, exc.description or str(exc), code=exc.name.lower().replace(" ", "_"))
-        else:
-            try:
-                error = to_api_error(exc)
-            except Exception as mapping_failure:  # the error path itself must never take a request down
-                error = ApiError(500, f"internal error: {mapping_failure!r}", type="server_error",
-                                 code="internal_error")
-        started = getattr(request, "basert_started", time.monotonic())
-        log_request(endpoint_name(), error.status, started, getattr(request, "basert_record", None),
-                    request.method, request.path)
+        try:
+            error = http_error(exc) if isinstance(exc, HTTPException) else to_api_error(exc)
+        except Exception as mapping_failure:  # the error path itself must never take a request down
+            error = internal_error(mapping_failure)
         return error_response(error)
+
+    def http_error(exc: HTTPException) -> ApiError:
+        if exc.code == 404:
+            return not_found(f"route {printable(request.method, 16)} {printable(request.path)} not found",
+                             "route_not_found")
+        if exc.code == 413:
+            return ApiError(413, f"request body exceeds {settings.max_body_bytes} bytes", code="request_too_large")
+        if exc.code == 405:
+            return ApiError(405, f"method {printable(request.method, 16)} not allowed on {printable(request.path)}",
+                            code="method_not_allowed")
+        if exc.code is None or exc.code >= 500:
+            return internal_error(exc)
+        return ApiError(exc.code, exc.description or exc.name, code=exc.name.lower().replace(" ", "_"))
 
     def endpoint_name() -> str:
         """The route pattern (not the concrete path), so metrics labels stay few."""
@@ -136,21 +194,14 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
         return rule.rule if rule is not None else "unmatched"
 
     async def json_body() -> dict:
-        raw = await request.get_data()
-        try:
-            body = json.loads(raw or b"null")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise invalid(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise invalid("request body must be a JSON object")
-        return body
+        return parse_json_object(await request.get_data())
 
     def finish(endpoint: str, result, record: RequestRecord) -> Response | dict:
+        if isinstance(result, dict):
+            return result
         started = request.basert_started  # type: ignore[attr-defined]
         method, path = request.method, request.path
-        if isinstance(result, dict):
-            log_request(endpoint, 200, started, record, method, path)
-            return result
+        request.basert_streamed = True  # type: ignore[attr-defined]
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -205,7 +256,7 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
         if text is None:
             raise invalid("content is required", "content")
         tokenizer = model.require_tokenizer()
-        ids = tokenizer.encode(text, add_special=body.add_special)
+        ids = tokenizer.encode(text, add_special=body.add_special, parse_special=body.parse_special)
         if body.with_pieces:
             return {"tokens": [{"id": i, "piece": tokenizer.token_bytes(i).decode("utf-8", errors="replace")}
                                for i in ids]}
@@ -271,7 +322,7 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
         body = SlotFileRequest.model_validate(await json_body() if await request.get_data() else {})
         filename = body.filename or f"slot-{slot}.bin"
         # Written inside the store's directory, so handing it to the store is a rename.
-        path = files.directory / f".slot-{uuid.uuid4().hex}.partial"
+        path = files.new_partial_path()
         try:
             result = await ask(model, SlotSave, slot, path)
             stored = await trio.to_thread.run_sync(files.create_from_path, path, filename, SNAPSHOT_PURPOSE)
@@ -328,8 +379,12 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
     @app.post("/v1/files")
     async def upload_file():
         files = require_files()
-        form = await request.form
-        uploads = await request.files
+        try:
+            # Large parts are spooled to a temporary file while the form is parsed.
+            form = await request.form
+            uploads = await request.files
+        except OSError as exc:
+            raise StorageError("file upload", exc) from None
         if "file" not in uploads:
             raise invalid("multipart field 'file' is required", "file")
         upload = uploads["file"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from basert.actor.messages import Done, Tokens
+from basert.chat.encoder import ChatEncoder
 from basert.chat.reasoning import ReasoningParser, opens_in_prompt
 from basert.chat.tool_calls import ToolCallParser, inject_tool_prompt, make_tool_parser
 from basert.engine.engine import common_prefix
@@ -72,7 +73,10 @@ class ChatPlan:
 
 
 def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
-    """Render the conversation (with tools) through the model's template and tokenize it."""
+    """Render the conversation (with tools) through the model's template and tokenize it.
+
+    Special-token text inside messages and tools stays plain text: only the template's markup becomes control tokens.
+    """
     template = model.require_template()
     tokenizer = model.require_tokenizer()
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -87,23 +91,25 @@ def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
     if use_tools and not template.supports_tools:
         messages = inject_tool_prompt(messages, use_tools)
         template_tools = None
-    rendered = template.render(messages, tools=template_tools, add_generation_prompt=True, **kwargs)
-    prompt = tokenizer.encode(rendered)
+    encoder = ChatEncoder(tokenizer)
+    messages = encoder.hide(messages)
+    rendered = template.render(messages, tools=encoder.hide(template_tools), add_generation_prompt=True, **kwargs)
+    prompt = encoder.encode(rendered)
     has_reasoning = "<think>" in (tokenizer.chat_template or "") or "<think>" in rendered
     segment_ends = ()
     if model.wants_segment_ends:
-        segment_ends = message_boundaries(model, messages, rendered, prompt)
+        segment_ends = message_boundaries(encoder, messages, rendered, prompt)
     return ChatPlan(prompt, use_tools, opens_in_prompt(rendered), has_reasoning, segment_ends)
 
 
-def message_boundaries(model: ServedModel, messages: list[dict], rendered: str, prompt: list[int]) -> tuple[int, ...]:
+def message_boundaries(encoder: ChatEncoder, messages: list[dict], rendered: str, prompt: list[int]) -> tuple[int, ...]:
     """Token positions where the first message (the system prompt) and the previous turn end.
 
     A hybrid model keeps its recurrent state there, so the next request that shares the system prompt or
     the conversation so far resumes from it. Found by locating each message's text in the rendered prompt
-    (rendering a partial conversation is not possible with every template).
+    (rendering a partial conversation is not possible with every template). `messages` and `rendered` are
+    what the template saw, markers included.
     """
-    tokenizer = model.require_tokenizer()
     ends = set()
     cursor = 0
     wanted = {0, len(messages) - 2}
@@ -116,7 +122,7 @@ def message_boundaries(model: ServedModel, messages: list[dict], rendered: str, 
             break
         cursor = at + len(content)
         if index in wanted:
-            ends.add(common_prefix(tokenizer.encode(rendered[:cursor]), prompt))
+            ends.add(common_prefix(encoder.encode(rendered[:cursor]), prompt))
     return tuple(sorted(end for end in ends if end > 0))
 
 
@@ -222,6 +228,7 @@ async def chat_completion(model: ServedModel, body: ChatCompletionRequest, limit
     created = int(time.time())
     await choices.submit(body.id_slot)
     if body.stream:
+        await choices.started()
         return stream_chat(model, body, choices, states, response_id, created, record)
     try:
         done_list = []
@@ -334,6 +341,7 @@ async def completion(model: ServedModel, body: CompletionRequest, limits: Server
     echo_text = [model.tokenizer.decode(p) if (body.echo and model.tokenizer) else "" for p in prompt_of]
     await choices.submit(body.id_slot)
     if body.stream:
+        await choices.started()
         return stream_completion(model, body, choices, response_id, created, echo_text, record)
     try:
         texts, done_list, ids, lps = [], [], [], []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 
 from pydantic import ValidationError
 
@@ -13,7 +14,8 @@ class ApiError(Exception):
     """An error with its HTTP status and envelope fields."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 code: str | int | None = None, param: str | None = None, extra: dict | None = None):
+                 code: str | int | None = None, param: str | None = None, extra: dict | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -21,6 +23,7 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.extra = extra or {}
+        self.headers = headers or {}
 
     def body(self) -> dict:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
@@ -40,9 +43,22 @@ def not_supported(message: str) -> ApiError:
     return ApiError(501, message, type="not_supported_error", code="not_supported")
 
 
+def unavailable(message: str, code: str, retry_after: int) -> ApiError:
+    """A 503: the server cannot take the request now; the client may retry after `retry_after` seconds."""
+    return ApiError(503, message, type="unavailable_error", code=code, headers={"Retry-After": str(retry_after)})
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """A 500 for a server bug: the log has the traceback under an id; the client gets only the id."""
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    log.error("internal error %s", error_id, exc_info=exc)
+    return ApiError(500, f"internal server error (id {error_id}); the server log has the details",
+                    type="server_error", code="internal_error", extra={"error_id": error_id})
+
+
 def to_api_error(exc: BaseException) -> ApiError:
     """Map any exception raised while serving a request to its envelope (unknown ones are 500s)."""
-    from basert.actor.actor import SlotNotFoundError
+    from basert.actor.actor import QueueTimeoutError, ServerBusyError, SlotNotFoundError, SlotOutOfRangeError
     from basert.chat.grammar import GrammarError
     from basert.chat.template import ChatTemplateError
     from basert.engine.engine import KVCacheTooSmallError
@@ -50,6 +66,7 @@ def to_api_error(exc: BaseException) -> ApiError:
     from basert.engine.runner import ContextOverflowError
     from basert.engine.sampler import SamplingError
     from basert.engine.snapshot import SnapshotError
+    from basert.format.atomic import StorageError
     from basert.server.files import FileNotFoundInStoreError, StoreFullError, UnsafeFilenameError
     from basert.tokenizer import TokenizerError
 
@@ -65,6 +82,14 @@ def to_api_error(exc: BaseException) -> ApiError:
                         extra={"n_prompt_tokens": exc.n_tokens, "n_ctx": exc.n_ctx})
     if isinstance(exc, (SamplingError, GrammarError, ChatTemplateError, TokenizerError)):
         return invalid(str(exc))
+    if isinstance(exc, SlotOutOfRangeError):
+        return invalid(str(exc), "id_slot")
+    if isinstance(exc, ServerBusyError):
+        return unavailable(str(exc), "server_busy", exc.retry_after)
+    if isinstance(exc, QueueTimeoutError):
+        return unavailable(str(exc), "queue_timeout", exc.retry_after)
+    if isinstance(exc, StorageError):
+        return ApiError(507, str(exc), type="server_error", code="insufficient_storage")
     if isinstance(exc, SlotNotFoundError):
         return not_found(str(exc), "slot_not_found")
     if isinstance(exc, FileNotFoundInStoreError):
@@ -72,7 +97,5 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, (SnapshotError, UnsafeFilenameError, StoreFullError, KVCacheTooSmallError)):
         return invalid(str(exc))
     if isinstance(exc, OutOfBlocksError):
-        return ApiError(503, f"the KV cache is full ({exc}); retry when running requests finish",
-                        type="unavailable_error", code="kv_cache_full")
-    log.exception("internal error", exc_info=exc)
-    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+        return unavailable(f"the KV cache is full ({exc}); retry when running requests finish", "kv_cache_full", 1)
+    return internal_error(exc)

@@ -77,26 +77,52 @@ class ChoiceSet:
         self.requests = requests
         self.channels: list[trio.MemoryReceiveChannel] = []
         self.finished = [False] * len(requests)
+        self._first: Tokens | Done | None = None   # the first choice's first reply, once `started` saw it
 
     async def submit(self, slot_hint: int | None) -> None:
+        """Send every choice to the model; the first goes to slot `slot_hint` (None or -1: any slot)."""
+        slot_hint = None if slot_hint == -1 else slot_hint
         for index, request in enumerate(self.requests):
             send, receive = trio.open_memory_channel(math.inf)
             self.channels.append(receive)
             await self.model.actor.mailbox.send(Generate(request, send, slot_hint if index == 0 else None))
 
+    async def started(self) -> None:
+        """Wait for the first choice's first reply, so that a refusal (busy, queue timeout, bad slot) is
+        raised before a stream sends its first byte and becomes the response's HTTP status."""
+        try:
+            try:
+                reply = await self.channels[0].receive()
+            except trio.EndOfChannel:
+                reply = None
+            self._first = self._checked(0, reply)
+        except BaseException:
+            self.close()
+            raise
+
     async def replies(self, index: int) -> AsyncIterator[Tokens | Done]:
         """Replies of one choice until it is done; a failure is raised."""
-        async for reply in self.channels[index]:
-            if isinstance(reply, Failed):
-                self.finished[index] = True
-                raise reply.error
-            if isinstance(reply, Done):
-                self.finished[index] = True
+        if index == 0 and self._first is not None:
+            reply, self._first = self._first, None
             yield reply
             if self.finished[index]:
                 return
-        if not self.finished[index]:
+        async for reply in self.channels[index]:
+            yield self._checked(index, reply)
+            if self.finished[index]:
+                return
+        self._checked(index, None)
+
+    def _checked(self, index: int, reply: Tokens | Done | Failed | None) -> Tokens | Done:
+        if reply is None and not self.finished[index]:
+            self.finished[index] = True
             raise RuntimeError("the model stopped before the request finished")
+        if isinstance(reply, Failed):
+            self.finished[index] = True
+            raise reply.error
+        if isinstance(reply, Done):
+            self.finished[index] = True
+        return reply
 
     def close(self) -> None:
         for index, request in enumerate(self.requests):

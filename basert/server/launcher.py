@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -20,11 +21,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def limit_file_size(n_bytes: int) -> None:
+    """RLIMIT_FSIZE for this process: writes beyond `n_bytes` fail with EFBIG (Python ignores SIGXFSZ), as a
+    full disk would fail them."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, n_bytes))
+
+
 class ServerProcess:
     """Starts `python -m basert serve MODEL --port P ...`; `stop()` sends SIGTERM and returns the exit code."""
 
     def __init__(self, model: Path | str, *flags: str, log_path: Path, env: dict | None = None,
-                 startup_timeout: float = 120.0):
+                 startup_timeout: float = 120.0, file_size_limit: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -33,6 +40,7 @@ class ServerProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "basert", "serve", str(model), "--port", str(self.port), *flags],
             stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+            preexec_fn=None if file_size_limit is None else lambda: limit_file_size(file_size_limit),
         )
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
@@ -49,7 +57,8 @@ class ServerProcess:
         raise RuntimeError(f"server did not become healthy:\n{self.log_text()}")
 
     def log_text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def stop(self, timeout: float = 30.0) -> int:

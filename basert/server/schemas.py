@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+# Token ids as logit_bias keys: ASCII digits only ("²", "①" and "٣" are digits to str.isdigit).
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")
+# Template variables a request may not set through chat_template_kwargs: the server sets them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
 class Lenient(BaseModel):
@@ -52,9 +58,14 @@ class StreamOptions(Lenient):
     include_usage: bool = False
 
 
+class TextPart(Lenient):
+    type: Literal["text"]
+    text: str
+
+
 class Message(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -77,7 +88,7 @@ class SamplingFields(Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    id_slot: int | None = None
+    id_slot: int | None = Field(default=None, ge=-1)     # -1: any slot, as in llama.cpp
     ignore_eos: bool = False
 
     @field_validator("stop")
@@ -96,7 +107,7 @@ class SamplingFields(Lenient):
         if value is None:
             return None
         for key, bias in value.items():
-            if not key.lstrip("-").isdigit():
+            if not TOKEN_ID_KEY.fullmatch(key):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError("logit_bias values must be between -100 and 100")
@@ -114,9 +125,17 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int = Field(default=0, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def template_kwargs_allowed(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(value or ()))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
+        return value
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]     # token ids: no true, no "1"
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
@@ -126,12 +145,13 @@ class TokenizeRequest(Lenient):
     content: str | None = None
     prompt: str | None = None
     add_special: bool = False
+    parse_special: bool = True               # special-token text becomes control tokens, as in llama.cpp
     with_pieces: bool = False
 
 
 class DetokenizeRequest(Lenient):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class SlotFileRequest(Lenient):
