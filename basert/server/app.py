@@ -7,6 +7,7 @@ import ipaddress
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ SNAPSHOT_PURPOSE = "slot_snapshot"
 PROTECTED_PREFIXES = ("/slots", "/v1/files")
 CORS_ALLOWED_HEADERS = "Authorization, Content-Type, X-Api-Key"
 CORS_ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
+SLOT_ID = re.compile(r"-?[0-9]{1,9}")
 
 
 @dataclass(slots=True)
@@ -297,10 +299,10 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
         return catalog.resolve(request.args.get("model"))
 
     def slot_id(raw: str) -> int:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise invalid(f"slot id must be an integer, got {raw!r}", "id_slot") from None
+        # ASCII digits only: int() also reads "٣" and " 3 " as 3.
+        if not SLOT_ID.fullmatch(raw):
+            raise invalid(f"slot id must be an integer, got {printable(raw, 32)!r}", "id_slot")
+        value = int(raw)
         if value < 0:
             raise not_found(f"slot {value} not found", "slot_not_found")
         return value
