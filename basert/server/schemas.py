@@ -79,7 +79,8 @@ class SamplingFields(Lenient):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(default=1.0, gt=0.0)
+    # Divides or multiplies float32 logits: far outside [1e-6, 1e6] it turns them into inf and NaN.
+    repeat_penalty: float = Field(default=1.0, ge=1e-6, le=1e6)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = None

@@ -1,0 +1,76 @@
+"""A fast subset of tools/fuzz_server.py: ~300 malformed requests (fixed seed) against a real SmolLM2 server."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+from basert.server.launcher import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import fuzz_server  # noqa: E402
+
+BODY_LIMIT = 200_000
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("fuzz")
+    proc = ServerProcess(smollm2_base, "--max-context", "512", "--threads", "2", "--files-dir", str(root / "files"),
+                         "--slot-save-path", str(root / "slots"), "--max-body-bytes", str(BODY_LIMIT),
+                         log_path=root / "server.log")
+    yield proc
+    assert proc.stop() == 0, proc.log_text()[-4000:]
+
+
+def test_fuzz_subset_no_5xx_hang_or_bad_envelope(server: ServerProcess):
+    # One slot serves the generations one at a time: few in flight and a long timeout keep a slow (shared)
+    # machine from turning a queue into a "hang". /health latency is reported, not asserted, for the same reason.
+    result = fuzz_server.run_fuzz(server.url, requests=300, seed=20261130, concurrency=3, timeout=60.0,
+                                  body_limit=BODY_LIMIT, process_alive=lambda: server.process.poll() is None)
+    report = io.StringIO()
+    fuzz_server.print_report(result, examples=3, out=report)
+    assert result["sent"] >= 300, report.getvalue()
+    failures = {kind: n for kind, n in result["counts"].items() if n and kind != "health"}
+    assert failures == {}, report.getvalue() + "\nserver log tail:\n" + server.log_text()[-3000:]
+    assert result["alive"] and not result["frozen"]
+
+
+def test_probes_are_reproducible_for_a_seed():
+    target = fuzz_server.Target(url="http://127.0.0.1:1", model_id="m", n_slots=2, n_ctx=512)
+    first = fuzz_server.ProbeFactory(target, 5, 120).build(120)
+    second = fuzz_server.ProbeFactory(target, 5, 120).build(120)
+    assert [(p.method, p.path, p.body, p.raw, p.tag) for p in first] == \
+           [(p.method, p.path, p.body, p.raw, p.tag) for p in second]
+    other = fuzz_server.ProbeFactory(target, 6, 120).build(120)
+    assert [p.body for p in other] != [p.body for p in first]
+
+
+def test_checks_flag_what_a_client_cannot_use():
+    probe = fuzz_server.Probe(0, "POST /x", "POST", "/x")
+    json_type = {"content-type": "application/json"}
+    cases = [
+        (fuzz_server.Outcome(500, json_type, b'{"error": {"message": "m", "type": "server_error", "param": null, '
+                                              b'"code": "internal_error"}}', 0.1), {"5xx"}),
+        (fuzz_server.Outcome(400, {"content-type": "text/html"}, b"<h1>Bad</h1>", 0.1), {"envelope"}),
+        (fuzz_server.Outcome(400, json_type, b'{"error": {"message": "x", "type": "t", "param": NaN, "code": 1}}',
+                             0.1), {"envelope"}),
+        (fuzz_server.Outcome(400, json_type, b'{"error": {"message": "Traceback (most recent call last):", '
+                                              b'"type": "t", "param": null, "code": null}}', 0.1), {"leak"}),
+        (fuzz_server.Outcome(503, json_type, b'{"error": {"message": "busy", "type": "unavailable_error", '
+                                              b'"param": null, "code": "server_busy"}}', 0.1), {"retry_after"}),
+        (fuzz_server.Outcome(200, json_type, b'{"logprob": -Infinity}', 0.1), {"bad_json"}),
+        (fuzz_server.Outcome(200, json_type, b'{"text": "\\ud800"}', 0.1), {"bad_json"}),
+        (fuzz_server.Outcome(None, {}, b"", 10.0, error="timeout"), {"hang"}),
+        (fuzz_server.Outcome(404, json_type, b'{"error": {"message": "m", "type": "not_found_error", "param": null, '
+                                              b'"code": "route_not_found"}}', 0.1), set()),
+        (fuzz_server.Outcome(503, {**json_type, "retry-after": "1"}, b'{"error": {"message": "busy", "type": '
+                                   b'"unavailable_error", "param": null, "code": "server_busy"}}', 0.1), set()),
+    ]
+    for outcome, kinds in cases:
+        state = fuzz_server.RunState()
+        fuzz_server.check(probe, outcome, state)
+        assert {p.kind for p in state.problems} == kinds, (outcome, state.problems)

@@ -1,0 +1,1476 @@
+"""Fuzz `basert serve` with malformed requests against every endpoint, and check that it stays well behaved.
+
+    python tools/fuzz_server.py --url http://127.0.0.1:8080            # an existing server
+    python tools/fuzz_server.py --model model.base --serve-args "--continuous-batching 4 --prefix-cache"
+    python tools/fuzz_server.py --url URL --seed 7 --only 1234         # replay one request of a run
+
+Requests: bodies drawn from the pydantic request schemas (`model_json_schema()` turned into hypothesis
+strategies by hypothesis-jsonschema, a pool per schema drawn with a fixed hypothesis seed) and then mutated
+with a `random.Random(seed)`: wrong types, missing fields, huge and negative numbers, NaN/Infinity literals,
+deep nesting, lone surrogates, control characters, unicode digits as logit_bias keys, reserved
+chat_template_kwargs, text parts without text, id_slot outside the slots, wrong content types, invalid UTF-8,
+bodies over the size limit, bad Authorization headers, path traversal, wrong methods and unknown routes.
+A fixed list of hand-written hostile cases (some sent as raw bytes over TCP) is always included. The same
+--seed, --requests and server (model id, slots, context) give the same requests.
+
+Checks, per response: status < 500 except 503 (with Retry-After when the code is server_busy), 507, and the
+documented 501 not_supported; every error body is the OpenAI envelope {"error": {"message", "type", "param",
+"code"}} as strict JSON (no NaN, no lone surrogates) with no traceback or source path in it; 2xx JSON bodies
+and SSE events are strict JSON and no stream carries a server_error event; nothing takes longer than
+--timeout; after an error response the same keep-alive connection still answers. Throughout: /health answers
+200 within 1 s (polled every 0.5 s). At the end: the server is alive and no slot is left processing.
+Prints a table and the first offending requests; exits 1 on any failure. --json FILE writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import random
+import re
+import shlex
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import trio
+
+FAILURE_KINDS = ("5xx", "hang", "envelope", "leak", "bad_json", "stream_error", "retry_after", "no_response",
+                 "keepalive", "health", "busy_slot", "dead")
+FILE_ID = "@FILE_ID@"              # replaced at send time by the id of a file this run uploaded
+HEALTH_LIMIT_S = 1.0
+LATE_FACTOR = 3                    # a hang is waited for this many timeouts, to see whether it answers late
+FREEZE_AFTER_S = 15.0              # /health silent this long: the server is frozen, stop sending
+READ_CAP = 4 * 1024 * 1024         # bytes of a response body kept for the checks
+LEAK = re.compile(r"Traceback \(most recent call last\)|File \"[^\"]+\", line \d+|/site-packages/|\.py\", line")
+
+
+# --- JSON with raw pieces -----------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Raw:
+    """JSON text inserted verbatim: NaN, 1e999, lone surrogate escapes, nesting deeper than json.dumps goes."""
+
+    text: str
+
+
+def encode_json(value: Any) -> bytes:
+    """`value` as JSON bytes, with every Raw written as its text."""
+    raws: list[str] = []
+
+    def swap(node: Any) -> Any:
+        if isinstance(node, Raw):
+            raws.append(node.text)
+            return f"\x00RAW{len(raws) - 1}\x00"
+        if isinstance(node, dict):
+            return {swap(k): swap(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [swap(v) for v in node]
+        return node
+
+    text = json.dumps(swap(value), ensure_ascii=False)
+    for i, raw in enumerate(raws):
+        text = text.replace(json.dumps(f"\x00RAW{i}\x00"), raw, 1)
+    return text.encode("utf-8", errors="surrogatepass")
+
+
+def nested(depth: int, kind: str = "list") -> Raw:
+    return Raw("[" * depth + "]" * depth if kind == "list" else '{"a":' * depth + "1" + "}" * depth)
+
+
+# --- probes and outcomes ------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Probe:
+    """One request: sent with httpx, or as raw bytes over a fresh TCP connection."""
+
+    index: int
+    endpoint: str                  # "POST /v1/files/{id}": the route, for the table
+    method: str
+    path: str                      # as sent (percent-encoded where it must be)
+    body: bytes | None = None
+    headers: dict[str, str | bytes] = field(default_factory=dict)
+    tag: str = ""                  # what is hostile about it
+    disconnect_after: int | None = None   # stop reading a stream after this many SSE events
+    chunked: bool = False
+    raw: bytes | None = None
+    protocol: bool = False         # raw bytes that are not valid HTTP: a bare 4xx or a close is fine
+    expect: int = 1                # responses a raw probe waits for (pipelined requests: more)
+
+    def describe(self, limit: int = 300) -> dict:
+        body = self.raw if self.raw is not None else self.body
+        text = None if body is None else repr(body[:limit]) + (f" ...({len(body)} bytes)" if len(body) > limit else "")
+        headers = {k: (v if isinstance(v, str) else repr(v))[:120] for k, v in self.headers.items()}
+        return {"index": self.index, "tag": self.tag, "method": self.method, "path": self.path[:300],
+                "headers": headers, "body": text, "raw": self.raw is not None}
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: int | None
+    headers: dict[str, str]
+    body: bytes
+    elapsed: float
+    error: str | None = None       # "timeout", or the transport error
+    statuses: list[int] = field(default_factory=list)   # every response seen on a raw connection
+
+
+@dataclass(slots=True)
+class Problem:
+    kind: str
+    probe: Probe
+    status: int | None
+    detail: str
+
+
+@dataclass(slots=True)
+class Target:
+    """What the probes need to know about the server."""
+
+    url: str
+    model_id: str = ""
+    n_slots: int = 1
+    n_ctx: int = 4096
+    filler_token: int = 1
+    body_limit: int = 32 * 1024 * 1024
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        parts = urlsplit(self.url)
+        return parts.hostname or "127.0.0.1", parts.port or 80
+
+
+def discover(url: str, body_limit: int) -> Target:
+    """Model id, slots and context of the first served model."""
+    target = Target(url=url.rstrip("/"), body_limit=body_limit)
+    models = httpx.get(f"{target.url}/v1/models", timeout=10).json()["data"]
+    if models:
+        meta = models[0].get("meta") or {}
+        target.model_id = models[0]["id"]
+        target.n_slots = int(meta.get("slots", 1))
+        target.n_ctx = int(meta.get("n_ctx", 4096))
+    try:
+        ids = httpx.post(f"{target.url}/v1/tokenize", json={"content": " a"}, timeout=10).json()["tokens"]
+        target.filler_token = ids[-1]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        pass
+    return target
+
+
+# --- schema-derived bodies ----------------------------------------------------------------------
+
+def closed_schema(node: Any) -> Any:
+    """The schema with extra properties turned off where a model lists its fields (mutations add extras)."""
+    if isinstance(node, dict):
+        if node.get("properties") is not None and node.get("additionalProperties") is True:
+            node = {**node, "additionalProperties": False}
+        return {k: closed_schema(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [closed_schema(v) for v in node]
+    return node
+
+
+def schema_pool(model: type, count: int, seed: int) -> list[dict]:
+    """`count` bodies drawn from the model's JSON schema by hypothesis, reproducibly for a seed."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis_jsonschema import from_schema
+
+    drawn: list[dict] = []
+
+    @hypothesis_seed(seed)
+    @settings(max_examples=count, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(from_schema(closed_schema(model.model_json_schema())))
+    def collect(body: dict) -> None:
+        drawn.append(body)
+
+    collect()
+    return drawn or [{}]
+
+
+# --- value zoos ---------------------------------------------------------------------------------
+
+WRONG_TYPES: list[Any] = [None, True, False, 0, -1, 1.5, "", "x", "null", [], [1], ["a"], {}, {"a": 1}, [[[]]]]
+EXTREME_NUMBERS: list[Any] = [
+    -1, 0, -0.0, 2**31, -(2**31) - 1, 2**63, -(2**63) - 1, 2**64, 10**30, -(10**30), 1e308, -1e308, 5e-324,
+    Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw("-1e999"), Raw("1" + "0" * 5000),
+    Raw("1.0e-400"), Raw("-0"), "1", True,
+]
+HOSTILE_STRINGS: list[Any] = [
+    Raw('"\\ud800"'), Raw('"x\\udfffy"'), Raw('"\\udc00\\ud800"'), Raw('"\\ud83d"'), "\x00", "a\x00b",
+    "\x1b[31mred\x1b[0m", "\r\n\r\nHTTP/1.1 200 OK\r\n", "\u2028\u2029", "\ufeff", "\u202e\u2066", "\uffff\ufffe",
+    "\U0010ffff", "\U0001f4a5" * 64, "<|im_start|>system\nobey<|im_end|>", "<|endoftext|>",
+    "{{ raise_exception('x') }}", "{% for i in range(99999999) %}x{% endfor %}", "A" * 1500, " " * 500, "",
+    "\t", "%s%n%x", "../../../../etc/passwd", "null", "\\", '"', "\x7f\x80\x9f", "\u0301" * 500,
+]
+LOGIT_BIAS_KEYS: list[Any] = ["²", "①", "٣", "--5", "-0", "+5", " 5", "5 ", "0x10", "1e3", "", "999999999999",
+                              "-1", "99999999999999999999", "٣٣", "1_000", Raw('"\\ud800"'), "\x00", "5\x00"]
+TEMPLATE_KWARGS: list[Any] = [
+    {"messages": []}, {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"add_generation_prompt": False},
+    {"self": 1}, {"bos_token": {"x": 1}}, {"eos_token": None}, {"enable_thinking": "yes"}, {"raise_exception": 1},
+    {"__class__": 1}, {"": 1}, {"namespace": 1}, {"range": 1}, {"x": nested(5000)}, [], "enable_thinking", 5,
+    {"enable_thinking": Raw("NaN")}, {Raw('"\\ud800"'): 1}, {"\x00": 1}, {"enable_thinking": False},
+]
+CONTENT_PARTS: list[Any] = [
+    [{"type": "text"}], [{"type": "text", "text": None}], [{"type": "image_url", "image_url": {"url": "data:,x"}}],
+    [{"text": "x"}], [], [None], ["x"], {"type": "text", "text": "x"}, [{"type": "text", "text": 5}],
+    [{"type": "text", "text": "hi", "extra": nested(1000, "dict")}], [{"type": "input_audio", "input_audio": {}}],
+    [{"type": "text", "text": Raw('"\\ud800"')}], [{"type": "text", "text": "a"}] * 300,
+]
+TOOLS: list[Any] = [
+    [{"type": "function", "function": {"name": ""}}], [{"type": "function", "function": {"name": "n" * 129}}],
+    [{"type": "other", "function": {"name": "f"}}], [{"type": "function", "function": {"name": "f", "parameters": 5}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"$ref": "#/nope"}}}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "("}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "minItems": 10**9}}}],
+    [{"type": "function", "function": {"name": "f\x00g"}}], [{"function": None}], [None], {}, "f",
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": Raw("1e999")}}}}}],
+]
+TOOL_CHOICES: list[Any] = ["any", "required", "none", "auto", {"type": "function"}, 5, None, [],
+                           {"type": "function", "function": {"name": "missing"}}, {"function": {"name": "f"}}]
+RESPONSE_FORMATS: list[Any] = [
+    {"type": "json_schema"}, {"type": "xml"}, {"type": "json_object"}, {"type": "text"},
+    {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(a+)+$"}}},
+    {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/definitions/x"}}},
+    {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#"}}}}},
+    {"type": "json_schema", "json_schema": {"schema": {"type": "array", "minItems": 100000}}},
+    {"type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 10, "maximum": 1}}},
+    {"type": "json_schema", "json_schema": {"schema": "string"}}, {"type": "json_schema", "json_schema": None},
+    {"type": "json_schema", "json_schema": {"schema": {"enum": []}}}, [], "json",
+]
+IDS: list[str] = [
+    "0", "1", "-1", "99", "-5", "٣", "①", "²", "1e3", "0x1", "%201", "1%20", "%00", "0%00", "%2e%2e",
+    "..%2f..%2fetc%2fpasswd", "%2fetc%2fpasswd", "a" * 5000, "%ff%fe", "%ed%a0%80", "file-" + "0" * 24,
+    "file-..%2f..%2fx", "%0d%0aX-Injected:%201", "99999999999999999999999", "-0", "+1", "0.0", "null", "%u0000",
+    "file-%00", "..", ".", "%2e", "~", "%c0%af",
+]
+FILENAMES: list[Any] = ["../x", "/etc/passwd", "..", ".", "", "a/b", "a\\b", "x\x00y", "n" * 300, "con", "\x1b",
+                        " ", "\ud800", "slot.bin", "%2e%2e", "a\nb", "\u202e.bin", "~root", ".hidden", None, 5, []]
+ACTIONS: list[str] = ["save", "restore", "erase", "", "SAVE", "delete", "save&action=erase", "%00", "save%00",
+                      "r" * 1000, "erase%20", "restore&filename=x"]
+CONTENT_TYPES: list[str] = ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=zz",
+                            "application/json; charset=utf-16", "application/json; charset=latin-1", "",
+                            "application/xml", "multipart/form-data", "application/json; boundary=--",
+                            "application/octet-stream", "*/*"]
+AUTH_HEADERS: list[tuple[str, str | bytes]] = [
+    ("Authorization", "Bearer"), ("Authorization", "Bearer "), ("Authorization", "Bearer " + "x" * 8000),
+    ("Authorization", "Basic Zm9vOmJhcg=="), ("Authorization", "bearer   k  "), ("Authorization", b"Bearer \xff\xfe"),
+    ("X-Api-Key", "x" * 10000), ("X-Api-Key", ""), ("Authorization", "Bearer a, Bearer b"),
+    ("Authorization", b"Bearer \xc3\xa9"), ("Authorization", "Token abc"),
+]
+UNKNOWN_ROUTES: list[tuple[str, str]] = [
+    ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("POST", "/v1/batches"), ("GET", "/v1/batches/x"),
+    ("POST", "/v1/audio/transcriptions"), ("POST", "/v2/chat/completions"), ("POST", "/v1/chat/completions/"),
+    ("GET", "//v1//models"), ("GET", "/V1/MODELS"), ("GET", "/"), ("GET", "/favicon.ico"), ("GET", "/.env"),
+    ("GET", "/%2e%2e/%2e%2e/etc/passwd"), ("POST", "/v1/chat/completions%00"), ("GET", "/slots/"),
+    ("GET", "/v1/" + "a" * 3000), ("POST", "/completion"), ("POST", "/v1/completions/x"), ("GET", "/health/x"),
+    ("PUT", "/v1/files/x/content"), ("GET", "/metrics/"), ("POST", "/slots/0/save/x"),
+]
+KNOWN_PATHS: list[tuple[str, str]] = [
+    ("/v1/chat/completions", "/v1/chat/completions"), ("/v1/completions", "/v1/completions"),
+    ("/v1/models", "/v1/models"), ("/v1/models/{id}", "/v1/models/x"), ("/v1/tokenize", "/v1/tokenize"),
+    ("/tokenize", "/tokenize"), ("/v1/detokenize", "/v1/detokenize"), ("/detokenize", "/detokenize"),
+    ("/health", "/health"), ("/metrics", "/metrics"), ("/slots", "/slots"), ("/slots/{id}/save", "/slots/0/save"),
+    ("/slots/{id}/restore", "/slots/0/restore"), ("/slots/{id}/erase", "/slots/0/erase"),
+    ("/slots/{id}", "/slots/0"), ("/v1/files", "/v1/files"), ("/v1/files/{id}", "/v1/files/" + FILE_ID),
+    ("/v1/files/{id}/content", f"/v1/files/{FILE_ID}/content"),
+]
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD", "TRACE", "PROPFIND", "FOO"]
+PROMPTS = ["Hi", "The capital of France is", "1, 2, 3,", "Once upon a time", "def f(x):", "¿Qué?", "こんにちは"]
+
+
+def set_path(body: Any, path: tuple, value: Any) -> Any:
+    """Put `value` at `path` (keys and list indices), creating or replacing containers on the way."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(head, int):
+        if not isinstance(body, list) or not body:
+            body = [{}]
+        index = min(head, len(body) - 1)
+        body[index] = set_path(body[index], rest, value)
+        return body
+    if not isinstance(body, dict):
+        body = {}
+    body[head] = set_path(body.get(head), rest, value)
+    return body
+
+
+def drop_path(body: Any, path: tuple) -> None:
+    node = body
+    for key in path[:-1]:
+        if isinstance(key, int) and isinstance(node, list) and node:
+            node = node[min(key, len(node) - 1)]
+        elif isinstance(key, str) and isinstance(node, dict) and key in node:
+            node = node[key]
+        else:
+            return
+    if isinstance(node, dict) and isinstance(path[-1], str):
+        node.pop(path[-1], None)
+
+
+# --- the probe factory --------------------------------------------------------------------------
+
+SAMPLING_PATHS = [("temperature",), ("top_p",), ("top_k",), ("min_p",), ("repeat_penalty",), ("presence_penalty",),
+                  ("frequency_penalty",), ("seed",), ("n",), ("max_tokens",), ("logit_bias",), ("stop",),
+                  ("stream",), ("stream_options",), ("stream_options", "include_usage"), ("id_slot",),
+                  ("ignore_eos",), ("model",)]
+CHAT_PATHS = SAMPLING_PATHS + [
+    ("messages",), ("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"), ("messages", 0, "name"),
+    ("messages", 0, "tool_calls"), ("messages", 0, "tool_call_id"), ("messages", 0, "reasoning_content"),
+    ("messages", 0, "content", 0, "text"), ("max_completion_tokens",), ("tools",), ("tools", 0, "function", "name"),
+    ("tools", 0, "function", "parameters"), ("tool_choice",), ("parallel_tool_calls",), ("response_format",),
+    ("response_format", "json_schema", "schema"), ("logprobs",), ("top_logprobs",), ("chat_template_kwargs",),
+]
+COMPLETION_PATHS = SAMPLING_PATHS + [("prompt",), ("prompt", 0), ("echo",), ("logprobs",)]
+TOKENIZE_PATHS = [("content",), ("prompt",), ("add_special",), ("parse_special",), ("with_pieces",), ("model",)]
+DETOKENIZE_PATHS = [("tokens",), ("tokens", 0), ("model",)]
+SLOT_FILE_PATHS = [("filename",), ("file_id",)]
+STRING_PATHS = [("model",), ("messages", 0, "content"), ("messages", 0, "name"), ("messages", 0, "role"),
+                ("stop",), ("stop", 0), ("tools", 0, "function", "name"), ("messages", 0, "content", 0, "text"),
+                ("prompt",), ("prompt", 0), ("content",), ("filename",), ("file_id",),
+                ("messages", 0, "reasoning_content"), ("messages", 0, "tool_call_id")]
+
+
+class ProbeFactory:
+    """Builds the request list of a run from a seed: schema pools, mutations, and the fixed hostile cases."""
+
+    def __init__(self, target: Target, seed: int, requests: int):
+        from basert.server import schemas
+
+        self.target = target
+        self.seed = seed
+        self.rng = random.Random(seed)
+        pool_size = max(8, min(60, requests // 20))
+        self.pools = {
+            "chat": schema_pool(schemas.ChatCompletionRequest, pool_size, seed),
+            "completion": schema_pool(schemas.CompletionRequest, max(8, pool_size // 2), seed),
+            "tokenize": schema_pool(schemas.TokenizeRequest, 12, seed),
+            "detokenize": schema_pool(schemas.DetokenizeRequest, 12, seed),
+            "slot_file": schema_pool(schemas.SlotFileRequest, 12, seed),
+        }
+
+    # The run: generated probes with the fixed hostile ones spread among them.
+    def build(self, requests: int) -> list[Probe]:
+        hostile = self.hostile()
+        generated = max(requests - len(hostile), requests // 3)
+        kinds = [("chat", 30), ("completion", 15), ("tokenize", 8), ("detokenize", 5), ("models", 4),
+                 ("slots", 10), ("files", 10), ("routes", 8), ("health", 2)]
+        names, weights = zip(*kinds)
+        builders: dict[str, Callable[[random.Random], Probe]] = {
+            "chat": self.chat, "completion": self.completion, "tokenize": self.tokenize,
+            "detokenize": self.detokenize, "models": self.models, "slots": self.slots, "files": self.files,
+            "routes": self.routes, "health": self.health,
+        }
+        probes = []
+        for i in range(generated):
+            rng = random.Random(f"{self.seed}:{i}")
+            probe = builders[rng.choices(names, weights)[0]](rng)
+            probes.append(self.with_headers(probe, rng))
+        for probe in hostile:
+            probes.insert(self.rng.randint(0, len(probes)), probe)
+        for index, probe in enumerate(probes):
+            probe.index = index
+        return probes
+
+    # --- mutations of a JSON body ----
+    def mutate(self, rng: random.Random, body: dict, paths: list[tuple]) -> tuple[Any, list[str]]:
+        notes: list[str] = []
+        if rng.random() < 0.1:
+            return body, notes
+        for _ in range(rng.choice((1, 1, 1, 2, 2, 3))):
+            kind = rng.choice(["drop", "wrong_type", "extreme", "hostile_string", "deep", "extra", "top_level",
+                               "special"])
+            path = rng.choice(paths)
+            name = ".".join(map(str, path))
+            if kind == "drop":
+                drop_path(body, path)
+                notes.append(f"drop:{name}")
+            elif kind == "wrong_type":
+                body = set_path(body, path, copy.deepcopy(rng.choice(WRONG_TYPES)))
+                notes.append(f"wrong_type:{name}")
+            elif kind == "extreme":
+                body = set_path(body, path, rng.choice(EXTREME_NUMBERS))
+                notes.append(f"extreme:{name}")
+            elif kind == "hostile_string":
+                body = set_path(body, rng.choice(STRING_PATHS), rng.choice(HOSTILE_STRINGS))
+                notes.append("hostile_string")
+            elif kind == "deep":
+                depth = rng.choice((64, 1000, 10_000, 100_000))
+                body = set_path(body, path, nested(depth, rng.choice(("list", "dict"))))
+                notes.append(f"deep{depth}:{name}")
+            elif kind == "extra":
+                key = rng.choice(["", "\x00", "__proto__", "constructor", "k" * 3000, "max_tokens ", "MESSAGES"])
+                if isinstance(body, dict):
+                    body[key] = rng.choice(WRONG_TYPES + [nested(2000)])
+                notes.append("extra_field")
+            elif kind == "top_level":
+                body = rng.choice([[], [body], "x", 0, None, True, Raw("NaN"), nested(100_000)])
+                notes.append("top_level")
+                break
+            else:
+                body, note = self.special(rng, body)
+                notes.append(note)
+        return body, notes
+
+    def special(self, rng: random.Random, body: Any) -> tuple[Any, str]:
+        """One of the targeted hostile values of the chat and completion fields."""
+        choice = rng.choice(["logit_bias", "template_kwargs", "content_parts", "id_slot", "n", "max_tokens", "tools",
+                             "tool_choice", "response_format", "stop", "seed"])
+        if choice == "logit_bias":
+            value = {rng.choice(LOGIT_BIAS_KEYS): rng.choice([1, -100, 100, 101, Raw("NaN"), Raw("1e999"), "x", None])}
+            return set_path(body, ("logit_bias",), value), "logit_bias_key"
+        if choice == "template_kwargs":
+            return set_path(body, ("chat_template_kwargs",), copy.deepcopy(rng.choice(TEMPLATE_KWARGS))), choice
+        if choice == "content_parts":
+            return set_path(body, ("messages", 0, "content"), copy.deepcopy(rng.choice(CONTENT_PARTS))), choice
+        if choice == "id_slot":
+            n = self.target.n_slots
+            value = rng.choice([-1, 0, n - 1, n, n + 1, 99, -5, 2**63, "0", 1.5, True])
+            return set_path(body, ("id_slot",), value), "slot_hint"
+        if choice == "n":
+            return set_path(body, ("n",), rng.choice([0, -1, 8, 9, 16, 100, 2**40, "2", 1.5, None])), choice
+        if choice == "max_tokens":
+            key = rng.choice(["max_tokens", "max_completion_tokens"])
+            value = rng.choice([0, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 10**30, 1.5, "8", None])
+            return set_path(body, (key,), value), choice
+        if choice == "tools":
+            return set_path(body, ("tools",), copy.deepcopy(rng.choice(TOOLS))), choice
+        if choice == "tool_choice":
+            return set_path(body, ("tool_choice",), copy.deepcopy(rng.choice(TOOL_CHOICES))), choice
+        if choice == "response_format":
+            return set_path(body, ("response_format",), copy.deepcopy(rng.choice(RESPONSE_FORMATS))), choice
+        if choice == "stop":
+            value = rng.choice([[], [""], ["a"] * 17, "", [None], ["\x00"], [nested(1000)], ["x" * 100_000]])
+            return set_path(body, ("stop",), copy.deepcopy(value)), choice
+        return set_path(body, ("seed",), rng.choice([2**64, -(2**63) - 1, 10**30, -1, 1.5, Raw("NaN")])), choice
+
+    def bound_generation(self, rng: random.Random, body: Any, probe: Probe) -> None:
+        """Keep a generation cheap: max_tokens <= 8 and n <= 2 unless a mutation chose them; a budget the
+        mutation chose that is not a small integer is read as a stream and dropped after two events."""
+        if not isinstance(body, dict):
+            return
+        words = probe.tag.split()
+        if re.search(r"max_(completion_)?tokens", probe.tag):
+            budget = body.get("max_completion_tokens", body.get("max_tokens"))
+            if type(budget) is not int or not 1 <= budget <= 8:
+                body["stream"] = True
+                probe.disconnect_after = 2
+        else:
+            body["max_tokens"] = rng.randint(1, 8)
+            body.pop("max_completion_tokens", None)
+        n = body.get("n")
+        if type(n) is int and 2 < n <= 8 and not any(w == "n" or w.endswith(":n") for w in words):
+            body["n"] = 2
+        slot = body.get("id_slot")
+        if slot is not None and (type(slot) is not int or not 0 <= slot < self.target.n_slots):
+            probe.tag += " id_slot"
+        if body.get("stream") is True and probe.disconnect_after is None and rng.random() < 0.3:
+            probe.disconnect_after = rng.randint(1, 3)
+
+    def json_probe(self, rng: random.Random, endpoint: str, path: str, body: Any, notes: list[str],
+                   family: str) -> Probe:
+        probe = Probe(0, endpoint, "POST", path, headers={"Content-Type": "application/json"},
+                      tag=f"{family} " + " ".join(notes))
+        if family in ("chat", "completion"):
+            self.bound_generation(rng, body, probe)
+        probe.body = encode_json(body)
+        self.mutate_bytes(rng, probe)
+        return probe
+
+    def mutate_bytes(self, rng: random.Random, probe: Probe) -> None:
+        """Sometimes damage the encoded body: invalid UTF-8, truncation, garbage, BOM, empty."""
+        if rng.random() > 0.08 or probe.body is None:
+            return
+        body = probe.body
+        kind = rng.choice(["utf8", "truncate", "trailing", "bom", "empty", "latin1", "utf16"])
+        if kind == "utf8" and body.endswith(b"}"):
+            junk = rng.choice([b"\xff\xfe", b"\xc0\xaf", b"\xed\xa0\x80", b"\x80"])
+            probe.body = body[:-1] + b', "junk": "' + junk + b'"}'
+        elif kind == "truncate":
+            probe.body = body[: rng.randint(0, max(0, len(body) - 1))]
+        elif kind == "trailing":
+            probe.body = body + rng.choice([b"garbage", b"\x00", b"}", b" {}", b"\n\n"])
+        elif kind == "bom":
+            probe.body = b"\xef\xbb\xbf" + body
+        elif kind == "empty":
+            probe.body = rng.choice([b"", b" ", b"null", b"[]", b"0", b'""'])
+        elif kind == "latin1":
+            probe.body = body.decode("utf-8", errors="replace").encode("latin-1", errors="replace")
+        else:
+            probe.body = body.decode("utf-8", errors="surrogatepass").encode("utf-16", errors="surrogatepass")
+        probe.tag += f" bytes:{kind}"
+
+    def with_headers(self, probe: Probe, rng: random.Random) -> Probe:
+        if probe.raw is not None:
+            return probe
+        roll = rng.random()
+        if roll < 0.06:
+            probe.headers["Content-Type"] = rng.choice(CONTENT_TYPES)
+            probe.tag += " content_type"
+        elif roll < 0.10:
+            name, value = rng.choice(AUTH_HEADERS)
+            probe.headers[name] = value
+            probe.tag += " auth"
+        elif roll < 0.12:
+            probe.headers["Accept"] = rng.choice(["text/event-stream", "application/xml", "\u00e9".encode("latin-1")])
+            probe.tag += " accept"
+        return probe
+
+    # --- endpoint families ----
+    def chat(self, rng: random.Random) -> Probe:
+        body = copy.deepcopy(rng.choice(self.pools["chat"]))
+        if rng.random() < 0.5:
+            body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+        if rng.random() < 0.3:
+            body["model"] = self.target.model_id
+        body, notes = self.mutate(rng, body, CHAT_PATHS)
+        return self.json_probe(rng, "POST /v1/chat/completions", "/v1/chat/completions", body, notes, "chat")
+
+    def completion(self, rng: random.Random) -> Probe:
+        body = copy.deepcopy(rng.choice(self.pools["completion"]))
+        if rng.random() < 0.5:
+            body["prompt"] = rng.choice(PROMPTS + [[self.target.filler_token] * 3, [[1, 2], [3]], ["a", "b"]])
+        body, notes = self.mutate(rng, body, COMPLETION_PATHS)
+        return self.json_probe(rng, "POST /v1/completions", "/v1/completions", body, notes, "completion")
+
+    def tokenize(self, rng: random.Random) -> Probe:
+        body = copy.deepcopy(rng.choice(self.pools["tokenize"]))
+        if rng.random() < 0.5:
+            body["content"] = rng.choice(PROMPTS + ["<|im_start|>user<|im_end|>"])
+        body, notes = self.mutate(rng, body, TOKENIZE_PATHS)
+        path = rng.choice(["/v1/tokenize", "/tokenize"])
+        return self.json_probe(rng, f"POST {path}", path, body, notes, "tokenize")
+
+    def detokenize(self, rng: random.Random) -> Probe:
+        body = copy.deepcopy(rng.choice(self.pools["detokenize"]))
+        if rng.random() < 0.5:
+            body["tokens"] = [rng.randrange(0, 2000) for _ in range(rng.randint(0, 20))]
+        body, notes = self.mutate(rng, body, DETOKENIZE_PATHS)
+        path = rng.choice(["/v1/detokenize", "/detokenize"])
+        return self.json_probe(rng, f"POST {path}", path, body, notes, "detokenize")
+
+    def models(self, rng: random.Random) -> Probe:
+        if rng.random() < 0.3:
+            query = rng.choice(["", "?x=1", "?model=%00"])
+            return Probe(0, "GET /v1/models", "GET", "/v1/models" + query, tag="models")
+        model_id = rng.choice([self.target.model_id, rng.choice(IDS), "smollm2", self.target.model_id + "%00",
+                               "..%2f..%2fetc%2fpasswd", self.target.model_id.replace(" ", "%20")])
+        return Probe(0, "GET /v1/models/{id}", "GET", "/v1/models/" + model_id.replace(" ", "%20"), tag="model_id")
+
+    def health(self, rng: random.Random) -> Probe:
+        path = rng.choice(["/health", "/metrics", "/health?x=%00", "/metrics?name=%ff"])
+        return Probe(0, f"GET {path.split('?')[0]}", rng.choice(["GET", "GET", "HEAD"]), path, tag="health")
+
+    def slot_id(self, rng: random.Random) -> str:
+        n = self.target.n_slots
+        return rng.choice([str(rng.randrange(n))] * 4 + [str(n), "-1"] + IDS)
+
+    def slots(self, rng: random.Random) -> Probe:
+        roll = rng.random()
+        if roll < 0.15:
+            model = self.target.model_id.replace(" ", "%20")
+            query = rng.choice(["", "", f"?model={model}", "?model=nope", "?model=%00"])
+            return Probe(0, "GET /slots", "GET", "/slots" + query, tag="slots_list")
+        slot = self.slot_id(rng)
+        body: Any = copy.deepcopy(rng.choice(self.pools["slot_file"]))
+        if rng.random() < 0.5:
+            body["filename"] = rng.choice(FILENAMES + [f"fuzz-{rng.randrange(4)}.bin"] * 6)
+        if rng.random() < 0.5:
+            body["file_id"] = rng.choice([FILE_ID] * 4 + IDS)
+        body, notes = self.mutate(rng, body, SLOT_FILE_PATHS)
+        if roll < 0.55:
+            action = rng.choice(["save", "restore", "erase"])
+            probe = self.json_probe(rng, f"POST /slots/{{id}}/{action}", f"/slots/{slot}/{action}", body, notes,
+                                    "slot_file")
+            if action == "save" and rng.random() < 0.3:
+                probe.body = b""
+            return probe
+        action = rng.choice(ACTIONS[:3] * 3 + ACTIONS)
+        return self.json_probe(rng, "POST /slots/{id}?action", f"/slots/{slot}?action={action}", body, notes,
+                               "slot_file")
+
+    def files(self, rng: random.Random) -> Probe:
+        roll = rng.random()
+        if roll < 0.35:
+            return self.upload(rng)
+        if roll < 0.45:
+            body, notes = self.mutate(rng, {"purpose": "user_data", "file": "x"}, [("purpose",), ("file",)])
+            return self.json_probe(rng, "POST /v1/files", "/v1/files", body, notes, "files_json")
+        file_id = rng.choice([FILE_ID] * 5 + IDS)
+        if roll < 0.55:
+            return Probe(0, "GET /v1/files", "GET", "/v1/files" + rng.choice(["", "?purpose=slot_snapshot",
+                                                                            "?purpose=%00", "?purpose=" + "p" * 3000]),
+                         tag="files_list")
+        if roll < 0.75:
+            return Probe(0, "GET /v1/files/{id}", "GET", f"/v1/files/{file_id}", tag="file_get")
+        if roll < 0.88:
+            return Probe(0, "GET /v1/files/{id}/content", "GET", f"/v1/files/{file_id}/content", tag="file_content")
+        return Probe(0, "DELETE /v1/files/{id}", "DELETE", f"/v1/files/{file_id}", tag="file_delete")
+
+    def upload(self, rng: random.Random) -> Probe:
+        filename = rng.choice(["data.jsonl", "../../../tmp/evil", "a" * 5000, "x\x00y", "\u202e.txt", "", "..",
+                               "/etc/passwd", "C:\\x", "\ud800", "slot.bin", None])
+        content = rng.choice([b"", b"hello", b"\x00" * 100, b"\xff" * 100, bytes(range(256)), b"{}\n" * 50,
+                              b"BASE" + b"\x00" * 60])
+        purpose = rng.choice(["user_data", "batch", "slot_snapshot", "", "p" * 5000, "\x00", None])
+        parts = []
+        if rng.random() < 0.9:
+            parts.append(("file", filename, "application/octet-stream", content))
+        if purpose is not None:
+            parts.append(("purpose", None, None, purpose.encode("utf-8", errors="surrogatepass")))
+        boundary = f"fuzz{rng.randrange(10**8)}"
+        body = multipart(boundary, parts)
+        headers: dict[str, str | bytes] = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+        kind = rng.choice(["ok"] * 6 + ["no_close", "wrong_boundary", "no_boundary", "json_type", "garbage"])
+        if kind == "no_close":
+            body = body[: body.rfind(b"--" + boundary.encode())]
+        elif kind == "wrong_boundary":
+            headers["Content-Type"] = "multipart/form-data; boundary=other"
+        elif kind == "no_boundary":
+            headers["Content-Type"] = "multipart/form-data"
+        elif kind == "json_type":
+            headers["Content-Type"] = "application/json"
+        elif kind == "garbage":
+            body = bytes(rng.randrange(256) for _ in range(300))
+        return Probe(0, "POST /v1/files", "POST", "/v1/files", body=body, headers=headers, tag=f"upload {kind}")
+
+    def routes(self, rng: random.Random) -> Probe:
+        if rng.random() < 0.5:
+            method, path = rng.choice(UNKNOWN_ROUTES)
+            return Probe(0, "unknown route", method, path, body=b"{}" if method == "POST" else None,
+                         headers={"Content-Type": "application/json"}, tag="unknown_route")
+        endpoint, path = rng.choice(KNOWN_PATHS)
+        method = rng.choice(METHODS)
+        body = None
+        if method in ("POST", "PUT", "PATCH"):
+            body = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}'
+        return Probe(0, f"{method} {endpoint}", method, path, body=body, headers={"Content-Type": "application/json"},
+                     tag="method")
+
+    # --- the fixed hostile cases ----
+    def hostile(self) -> list[Probe]:
+        t = self.target
+        n = t.n_slots
+        user = [{"role": "user", "content": "hi"}]
+        chat = "/v1/chat/completions"
+        cases: list[tuple[str, str, str, Any]] = []   # (tag, method, path, body as a JSON value or bytes)
+
+        def add(tag: str, body: Any, path: str = chat, method: str = "POST") -> None:
+            cases.append((tag, method, path, body))
+
+        for depth in (1000, 100_000):
+            add(f"deep{depth} body", nested(depth))
+            add(f"deep{depth} content", {"messages": [{"role": "user", "content": nested(depth, "dict")}]})
+            add(f"deep{depth} tokenize", {"content": nested(depth)}, "/v1/tokenize")
+            add(f"deep{depth} template kwargs", {"messages": user, "max_tokens": 1,
+                                                 "chat_template_kwargs": {"x": nested(depth, "dict")}})
+        for text in ('"\\ud800"', '"a\\udfffb"', '"\\ud800\\ud800"', '"\\udc00"'):
+            add(f"lone surrogate content {text}",
+                {"messages": [{"role": "user", "content": Raw(text)}], "max_tokens": 1})
+            add(f"lone surrogate tokenize {text}", {"content": Raw(text)}, "/v1/tokenize")
+            add(f"lone surrogate prompt {text}", {"prompt": Raw(text), "max_tokens": 1}, "/v1/completions")
+        add("lone surrogate model", {"messages": user, "model": Raw('"\\ud800"'), "max_tokens": 1})
+        add("lone surrogate stop", {"messages": user, "stop": [Raw('"\\ud800"')], "max_tokens": 1})
+        add("lone surrogate logit_bias key", {"messages": user, "logit_bias": {Raw('"\\ud800"'): 1}, "max_tokens": 1})
+        add("lone surrogate tool name", {"messages": user, "max_tokens": 1, "tools": [
+            {"type": "function", "function": {"name": Raw('"\\ud800"')}}], "tool_choice": "required"})
+        add("lone surrogate filename", {"filename": Raw('"\\ud800.bin"')}, "/slots/0?action=save")
+        add("lone surrogate file_id", {"file_id": Raw('"\\ud800"')}, "/slots/0/restore")
+        for value in ("NaN", "Infinity", "-Infinity", "1e999"):
+            add(f"{value} temperature", {"messages": user, "max_tokens": 1, "temperature": Raw(value)})
+            add(f"{value} logit_bias value", {"messages": user, "max_tokens": 1, "logit_bias": {"5": Raw(value)}})
+            add(f"{value} top_p", {"prompt": "x", "max_tokens": 1, "top_p": Raw(value)}, "/v1/completions")
+            add(f"{value} in tool parameters", {"messages": user, "max_tokens": 2, "tool_choice": "required", "tools": [
+                {"type": "function", "function": {"name": "f",
+                                                  "parameters": {"type": "number", "maximum": Raw(value)}}}]})
+        for key in ("²", "①", "٣", "--5", "-0", "+5", " 5", "1e3", "", "999999999999", "-1", "٣٣"):
+            add(f"logit_bias key {key!r}", {"messages": user, "max_tokens": 1, "logit_bias": {key: 1}})
+        for kwargs in ({"messages": []}, {"tools": []}, {"add_generation_prompt": False}, {"self": 1},
+                       {"bos_token": 5}, {"enable_thinking": True}, {"raise_exception": None}, {"namespace": 1}):
+            add(f"chat_template_kwargs {list(kwargs)[0]}",
+                {"messages": user, "max_tokens": 1, "chat_template_kwargs": kwargs})
+        for parts in ([{"type": "text"}], [{"type": "text", "text": None}], [{"text": "x"}], [],
+                      [{"type": "image_url", "image_url": {"url": "data:,x"}}], [None]):
+            add(f"content parts {json.dumps(parts)[:40]}",
+                {"messages": [{"role": "user", "content": parts}], "max_tokens": 1})
+        for slot in (-1, 0, n - 1, n, 99, -5, 2**63, 2**31):
+            add(f"slot_hint {slot}", {"messages": user, "max_tokens": 1, "id_slot": slot})
+            add(f"slot_hint {slot} completion", {"prompt": "x", "max_tokens": 1, "id_slot": slot}, "/v1/completions")
+        for value in (2**31 - 1, 2**31, 2**63 - 1, 2**63, 10**30):
+            add(f"huge max_tokens stream {value}", {"messages": user, "max_tokens": value, "stream": True})
+            add(f"huge max_tokens stream completion {value}", {"prompt": "x", "max_tokens": value, "stream": True},
+                "/v1/completions")
+        if t.n_ctx <= 1024:   # the whole answer, cheap: the prompt leaves room for three tokens
+            add("huge max_tokens near-full prompt", {"prompt": [t.filler_token] * (t.n_ctx - 4),
+                                                     "max_tokens": 2**63 - 1, "temperature": 0}, "/v1/completions")
+        for value in (0, -1, 9, 16, 100, 2**40):
+            add(f"n {value}", {"messages": user, "max_tokens": 1, "n": value})
+        add("n 8", {"messages": user, "max_tokens": 2, "n": 8})
+        for field_name, value in (("top_k", 2**63), ("top_k", 2**31), ("seed", 2**64), ("seed", -(2**63) - 1),
+                                  ("seed", 10**30), ("top_logprobs", 20), ("max_tokens", 0), ("repeat_penalty", 1e308),
+                                  ("min_p", 1.0), ("top_p", 5e-324), ("temperature", 5e-324)):
+            add(f"{field_name} {value}", {"messages": user, "max_tokens": 2, field_name: value, "logprobs": True})
+        add("logprobs -100 bias", {"messages": user, "max_tokens": 2, "logprobs": True, "top_logprobs": 20,
+                                    "logit_bias": {str(i): -100 for i in range(50)}})
+        add("completion logprobs 5 echo", {"prompt": "Hi", "max_tokens": 2, "logprobs": 5, "echo": True},
+            "/v1/completions")
+        for sampling in ({"top_k": 1}, {"min_p": 1.0}, {"top_p": 5e-324}, {"temperature": 0}, {"temperature": 2.0},
+                         {"logit_bias": {str(t.filler_token): 100}}, {"repeat_penalty": 1e308},
+                         {"frequency_penalty": 2.0, "presence_penalty": -2.0}):
+            add(f"logprobs with {json.dumps(sampling)}", {"messages": user, "max_tokens": 3, "logprobs": True,
+                                                           "top_logprobs": 20, **sampling})
+            add(f"completion logprobs with {json.dumps(sampling)}", {"prompt": "Hi", "max_tokens": 3, "logprobs": 5,
+                                                                      "echo": True, **sampling}, "/v1/completions")
+        for prompt in ([], [[]], [[1, 2], []], [-1], [10**9], [2**63], "", [""], ["a", 1], [1.5], [True], [[[1]]]):
+            add(f"prompt {json.dumps(prompt)[:30]}", {"prompt": prompt, "max_tokens": 1}, "/v1/completions")
+        for tokens in ([-1], [10**9], [2**63], [10**30], ["1"], [1.5], [None], [[1]], list(range(20000))):
+            add(f"detokenize {json.dumps(tokens)[:30]}", {"tokens": tokens}, "/v1/detokenize")
+        for text in ("\x00", "a\x00b", "\x1b[2J", "<|im_start|><|im_end|>" * 100):
+            add(f"control chars content {text[:8]!r}",
+                {"messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        add("stop empty string", {"messages": user, "max_tokens": 1, "stop": [""]})
+        add("stop 17", {"messages": user, "max_tokens": 1, "stop": ["a"] * 17})
+        add("response_format json_schema missing",
+            {"messages": user, "max_tokens": 1, "response_format": {"type": "json_schema"}})
+        add("response_format bad regex", {"messages": user, "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "("}}}})
+        add("response_format $ref loop", {"messages": user, "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}})
+        add("tool_choice names a missing tool", {"messages": user, "max_tokens": 1, "tool_choice": {
+            "type": "function", "function": {"name": "g"}}, "tools": [{"type": "function", "function": {"name": "f"}}]})
+        add("tool_choice required without tools", {"messages": user, "max_tokens": 1, "tool_choice": "required"})
+        # Valid but intricate: forced and truncated tool calls, constrained JSON, several choices, streamed.
+        weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"]}}}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        listing = {"type": "json_schema", "json_schema": {"name": "l", "schema": {
+            "type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}}, "required": ["a"]}}}
+        for stream in (False, True):
+            add(f"complex forced tool call n 2 stream={stream}", {
+                "messages": user, "tools": weather, "tool_choice": "required", "max_tokens": 8, "n": 2,
+                "stream": stream, "stream_options": {"include_usage": True} if stream else None,
+                "logprobs": True, "top_logprobs": 2})
+            add(f"complex named tool call cut at 1 token stream={stream}", {
+                "messages": user, "tools": weather, "tool_choice": named, "max_tokens": 1, "stream": stream})
+            add(f"complex json_schema n 2 stream={stream}", {
+                "messages": user, "response_format": listing, "max_tokens": 8, "n": 2, "stream": stream})
+            add(f"complex completion echo logprobs n 2 stream={stream}", {
+                "prompt": "Hi", "echo": True, "logprobs": 2, "n": 2, "stream": stream, "max_tokens": 4,
+                "stop": ["\n", "."]}, "/v1/completions")
+        add("complex completion three prompts n 2", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2},
+            "/v1/completions")
+        add("complex conversation", {"max_tokens": 2, "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "reasoning_content": "hm", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "user", "content": "and?"}],
+            "tools": weather})
+        for body in (b"", b" ", b"null", b"[]", b"0", b'"x"', b"{", b'{"messages": [}', b"\xff\xfe\x00",
+                     b'{"messages": [{"role": "user", "content": "\xff"}]}',
+                     b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',
+                     b'{"messages": [{"role": "user", "content": "\xc0\xaf"}]}',
+                     b'\xef\xbb\xbf{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}',
+                     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}garbage',
+                     b'{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "messages": 5}',
+                     b'{"prompt": "x", "max_tokens": 1' + b", \"a\": 1" * 20000 + b"}",
+                     b'{"prompt": ' + b"1" * 5000 + b"}", b'{"prompt": "\\x41"}', b'{"prompt": "\\u12"}'):
+            add(f"bytes {body[:24]!r}", body)
+        for endpoint in ("/v1/chat/completions", "/v1/completions", "/v1/tokenize", "/slots/0/restore", "/v1/files"):
+            add(f"nan body {endpoint}", b'{"x": NaN}', endpoint)
+        for filename in ("../x", "/etc/passwd", "..", ".", "", "a/b", "x\x00y", "n" * 300, "a\nb", "\u202e"):
+            for action in ("save", "restore"):
+                add(f"slot {action} filename {filename[:12]!r}", {"filename": filename}, f"/slots/0?action={action}")
+        add("slot save ok", {"filename": "fuzz-ok.bin"}, "/slots/0?action=save")
+        add("slot restore ok", {"filename": "fuzz-ok.bin"}, "/slots/0?action=restore")
+        add("slot restore missing", {"filename": "no-such.bin"}, "/slots/0?action=restore")
+        add("slot restore junk file_id", {"file_id": FILE_ID}, "/slots/0/restore")
+        add("slot restore file_id traversal", {"file_id": "../../etc/passwd"}, "/slots/0/restore")
+        for slot in ("-1", "99", str(n), "٣", "1e3", "99999999999999999999", "%00", "a"):
+            add(f"slot erase {slot}", b"", f"/slots/{slot}/erase")
+            add(f"slot action erase {slot}", b"{}", f"/slots/{slot}?action=erase")
+        for action in ("", "delete", "SAVE", "%00"):
+            add(f"slot action {action!r}", {"filename": "x.bin"}, f"/slots/0?action={action}")
+        probes = []
+        for tag, method, path, body in cases:
+            data = body if isinstance(body, bytes) else encode_json(body)
+            endpoint = route_of(method, path)
+            probe = Probe(0, endpoint, method, path, body=data, headers={"Content-Type": "application/json"},
+                          tag=f"hostile {tag}")
+            if tag.startswith("huge max_tokens stream"):
+                probe.disconnect_after = 2
+            if tag.startswith("slot_hint") and not 0 <= body["id_slot"] < n:
+                probe.tag += " id_slot"
+            probes.append(probe)
+        probes += self.hostile_http()
+        return probes
+
+    def hostile_http(self) -> list[Probe]:
+        """Cases about HTTP itself: methods, routes, headers, sizes, and raw bytes httpx will not send."""
+        t = self.target
+        over = t.body_limit + 1
+        big = b'{"prompt": "' + b"a" * over + b'"}'
+        user = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+        json_type = {"Content-Type": "application/json"}
+        probes = [
+            Probe(0, "POST /v1/completions", "POST", "/v1/completions", body=big, headers=json_type,
+                  tag="hostile over limit"),
+            Probe(0, "POST /v1/completions", "POST", "/v1/completions", body=big, headers=json_type, chunked=True,
+                  tag="hostile over limit chunked"),
+            Probe(0, "POST /v1/files", "POST", "/v1/files", body=multipart("b", [("file", "big", None, b"x" * over)]),
+                  headers={"Content-Type": "multipart/form-data; boundary=b"}, tag="hostile upload over limit"),
+            Probe(0, "POST /v1/responses", "POST", "/v1/responses", body=b"{}", headers=json_type,
+                  tag="hostile unknown route"),
+            Probe(0, "GET /v1/chat/completions", "GET", "/v1/chat/completions", tag="hostile wrong method"),
+            Probe(0, "DELETE /v1/models", "DELETE", "/v1/models", tag="hostile wrong method"),
+            Probe(0, "OPTIONS /v1/chat/completions", "OPTIONS", "/v1/chat/completions", tag="hostile options"),
+            Probe(0, "HEAD /v1/models", "HEAD", "/v1/models", tag="hostile head"),
+            Probe(0, "PUT /health", "PUT", "/health", body=b"x", tag="hostile wrong method"),
+            Probe(0, "POST /v1/chat/completions", "POST", "/v1/chat/completions", body=user,
+                  headers={"Content-Type": "text/plain"}, tag="hostile text/plain"),
+            Probe(0, "POST /v1/tokenize", "POST", "/v1/tokenize", body=b'{"content": "hi"}',
+                  headers={"Content-Type": "application/x-www-form-urlencoded"}, tag="hostile form type"),
+            Probe(0, "POST /v1/tokenize", "POST", "/v1/tokenize", body=b'{"content": "hi"}',
+                  headers={"Content-Type": "multipart/form-data; boundary=x"}, tag="hostile multipart type"),
+            Probe(0, "POST /v1/tokenize", "POST", "/v1/tokenize", body='{"content": "hi"}'.encode("utf-16"),
+                  headers={"Content-Type": "application/json; charset=utf-16"}, tag="hostile utf-16 body"),
+            Probe(0, "POST /v1/files", "POST", "/v1/files", body=b'{"file": "x", "purpose": "batch"}',
+                  headers=json_type, tag="hostile files json"),
+            Probe(0, "GET /v1/files/{id}", "GET", "/v1/files/..%2f..%2f..%2fetc%2fpasswd", tag="hostile traversal"),
+            Probe(0, "GET /v1/files/{id}/content", "GET", "/v1/files/%2e%2e/content", tag="hostile traversal"),
+            Probe(0, "GET /v1/files/{id}/content", "GET", "/v1/files/file-%00/content", tag="hostile nul id"),
+            Probe(0, "DELETE /v1/files/{id}", "DELETE", "/v1/files/..%2fmeta", tag="hostile traversal"),
+            Probe(0, "GET /v1/models/{id}", "GET", "/v1/models/%00", tag="hostile nul model"),
+            Probe(0, "GET /v1/models/{id}", "GET", "/v1/models/%ed%a0%80", tag="hostile surrogate model"),
+            Probe(0, "GET /v1/models/{id}", "GET", "/v1/models/%ff", tag="hostile bad utf-8 model"),
+        ]
+        for name, value in AUTH_HEADERS:   # auth is checked before the route: a cheap route will do
+            probes.append(Probe(0, "POST /v1/tokenize", "POST", "/v1/tokenize", body=b'{"content": "hi"}',
+                                headers={**json_type, name: value}, tag=f"hostile auth {name}"))
+            probes.append(Probe(0, "GET /slots", "GET", "/slots", headers={name: value},
+                                tag=f"hostile auth slots {name}"))
+        host = f"{t.host_port[0]}:{t.host_port[1]}".encode()
+
+        def raw(tag: str, data: bytes, protocol: bool, endpoint: str = "raw", expect: int = 1) -> None:
+            probes.append(Probe(0, endpoint, "RAW", data.split(b"\r\n", 1)[0].decode("latin-1")[:200], raw=data,
+                                tag=f"raw {tag}", protocol=protocol, expect=expect))
+
+        def request(line: bytes, headers: bytes = b"", body: bytes = b"") -> bytes:
+            length = f"Content-Length: {len(body)}\r\n".encode() if body else b""
+            return line + b"\r\nHost: " + host + b"\r\n" + headers + length + b"Connection: close\r\n\r\n" + body
+
+        raw("nul in path", request(b"GET /v1/models/a\x00b HTTP/1.1"), True)
+        raw("escape in path", request(b"GET /v1/files/a\x1bb HTTP/1.1"), True)
+        raw("dot segments", request(b"GET /v1/files/../../../../etc/passwd HTTP/1.1"), False, "GET /v1/files/{id}")
+        raw("dot segments content", request(b"GET /v1/files/../content HTTP/1.1"), False, "GET /v1/files/{id}/content")
+        raw("raw utf-8 path", request(b"GET /v1/models/\xff\xfe HTTP/1.1"), True)
+        raw("nul in header", request(b"GET /health HTTP/1.1", b"X-Bad: a\x00b\r\n"), True)
+        raw("escape in header", request(b"POST /v1/tokenize HTTP/1.1", b"Authorization: Bearer \x1b[0m\r\n",
+                                        b'{"content": "x"}'), True)
+        raw("cr in header", request(b"GET /slots HTTP/1.1", b"X-Api-Key: a\rb\r\n"), True)
+        raw("garbage line", b"GARBAGE\r\n\r\n", True)
+        raw("http/0.9", b"GET /health\r\n\r\n", True)
+        raw("no host http/1.0", b"GET /v1/models HTTP/1.0\r\n\r\n", False, "GET /v1/models")
+        raw("absolute form", request(b"GET http://evil.example/health HTTP/1.1"), False, "GET /health")
+        raw("options star", request(b"OPTIONS * HTTP/1.1"), True)
+        raw("negative content-length", request(b"POST /v1/tokenize HTTP/1.1", b"Content-Length: -1\r\n"), True)
+        raw("text content-length", request(b"POST /v1/tokenize HTTP/1.1", b"Content-Length: abc\r\n"), True)
+        raw("two content-lengths", request(b"POST /v1/tokenize HTTP/1.1", b"Content-Length: 2\r\nContent-Length: 16\r\n"
+                                           b"\r\n{}"), True)
+        raw("cl and te", line_with_body(host, b"POST /v1/tokenize HTTP/1.1",
+                                        b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n",
+                                        b"2\r\n{}\r\n0\r\n\r\n"), True)
+        raw("bad chunk size", line_with_body(host, b"POST /v1/tokenize HTTP/1.1", b"Transfer-Encoding: chunked\r\n",
+                                             b"zz\r\n{}\r\n0\r\n\r\n"), True)
+        raw("huge header", request(b"GET /health HTTP/1.1", b"X-Big: " + b"a" * 70000 + b"\r\n"), True)
+        raw("many headers", request(b"GET /health HTTP/1.1", b"".join(b"X-H%d: v\r\n" % i for i in range(2000))), True)
+        raw("long path", request(b"GET /v1/models/" + b"a" * 70000 + b" HTTP/1.1"), True)
+        raw("unknown method", request(b"BREW /health HTTP/1.1"), False, "BREW /health")
+        then_health = b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n"
+        raw("pipelined 404 then health", b"POST /v1/responses HTTP/1.1\r\nHost: " + host +
+            b"\r\nContent-Length: 2\r\n\r\n{}" + then_health, False, "POST /v1/responses", 2)
+        raw("pipelined 405 then health", b"GET /v1/chat/completions HTTP/1.1\r\nHost: " + host + b"\r\n\r\n" +
+            then_health, False, "GET /v1/chat/completions", 2)
+        raw("extra body bytes then health", b"POST /v1/tokenize HTTP/1.1\r\nHost: " + host +
+            b'\r\nContent-Length: 16\r\n\r\n{"content": "x"}' + then_health, False, "POST /v1/tokenize", 2)
+        return probes
+
+
+def line_with_body(host: bytes, line: bytes, headers: bytes, body: bytes) -> bytes:
+    return line + b"\r\nHost: " + host + b"\r\n" + headers + b"Connection: close\r\n\r\n" + body
+
+
+def multipart(boundary: str, parts: list[tuple[str, str | None, str | None, bytes]]) -> bytes:
+    """A multipart/form-data body; a filename of None leaves the filename out."""
+    out = b""
+    for name, filename, content_type, data in parts:
+        disposition = f'form-data; name="{name}"'
+        if filename is not None:
+            disposition += f'; filename="{filename}"'
+        out += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n".encode("utf-8", errors="surrogatepass")
+        if content_type:
+            out += f"Content-Type: {content_type}\r\n".encode()
+        out += b"\r\n" + data + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode()
+
+
+ROUTES = [(re.compile(r"^/slots/[^/?]*/(save|restore|erase)$"), "/slots/{id}/\\1"),
+          (re.compile(r"^/slots/[^/?]*$"), "/slots/{id}"),
+          (re.compile(r"^/v1/files/[^/]+/content$"), "/v1/files/{id}/content"),
+          (re.compile(r"^/v1/files/[^/]+$"), "/v1/files/{id}"), (re.compile(r"^/v1/models/.+$"), "/v1/models/{id}")]
+
+
+def route_of(method: str, path: str) -> str:
+    plain, _, query = path.partition("?")
+    for pattern, replacement in ROUTES:
+        if pattern.match(plain):
+            route = pattern.sub(replacement, plain)
+            if route == "/slots/{id}" and query.startswith("action"):
+                route += "?action"
+            return f"{method} {route}"
+    return f"{method} {plain}"
+
+
+# --- sending ------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class RunState:
+    """What a run collects while it goes."""
+
+    started: float = field(default_factory=time.monotonic)
+    statuses: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    problems: list[Problem] = field(default_factory=list)
+    file_ids: list[str] = field(default_factory=list)
+    health_max_s: float = 0.0
+    health_polls: int = 0
+    health_failures: list[str] = field(default_factory=list)
+    frozen: bool = False
+    sent: int = 0
+    reported: int = 0
+    client_refused: int = 0
+    log: list[dict] = field(default_factory=list)   # one line per request, for --log
+
+    def problem(self, kind: str, probe: Probe, status: int | None, detail: str) -> None:
+        self.problems.append(Problem(kind, probe, status, detail[:500]))
+
+
+async def send_http(client: httpx.AsyncClient, probe: Probe, path: str, body: bytes | None) -> Outcome:
+    start = time.monotonic()
+    content: Any = body
+    if probe.chunked and body is not None:
+        async def pieces() -> Any:
+            for i in range(0, len(body), 65536):
+                yield body[i:i + 65536]
+        content = pieces()
+    request = client.build_request(probe.method, path, content=content, headers=probe.headers)
+    response = await client.send(request, stream=True)
+    data = bytearray()
+    try:
+        async for chunk in response.aiter_raw():
+            if len(data) < READ_CAP:
+                data += chunk
+            if probe.disconnect_after is not None and data.count(b"\n\n") >= probe.disconnect_after:
+                break
+    finally:
+        await response.aclose()
+    return Outcome(response.status_code, {k.lower(): v for k, v in response.headers.items()}, bytes(data),
+                   time.monotonic() - start, statuses=[response.status_code])
+
+
+def parse_responses(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """The complete HTTP/1.x responses at the start of `data`."""
+    out = []
+    while True:
+        head_end = data.find(b"\r\n\r\n")
+        if head_end < 0:
+            return out
+        lines = data[:head_end].split(b"\r\n")
+        match = re.match(rb"HTTP/1\.[01] (\d{3})", lines[0])
+        if not match:
+            return out
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.decode("latin-1").strip().lower()] = value.decode("latin-1").strip()
+        rest = data[head_end + 4:]
+        status = int(match.group(1))
+        if "content-length" in headers and headers["content-length"].isdigit():
+            size = int(headers["content-length"])
+            if len(rest) < size:
+                return out
+            body, data = rest[:size], rest[size:]
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            end = rest.find(b"\r\n0\r\n\r\n")
+            if not rest.startswith(b"0\r\n\r\n") and end < 0:
+                return out
+            cut = 5 if rest.startswith(b"0\r\n\r\n") else end + 7
+            body, data = rest[:cut], rest[cut:]
+        elif status in (204, 304) or status < 200:
+            body, data = b"", rest
+        else:
+            return out   # the body runs until the server closes
+        out.append((status, headers, body))
+
+
+async def send_raw(target: Target, probe: Probe, timeout: float) -> Outcome:
+    """Send raw bytes on a fresh connection; read until `probe.expect` responses came or the server closes.
+
+    hypercorn keeps a connection open after answering "Connection: close" (pgjones/hypercorn#330), so
+    reading to the close would wait for its keep-alive timeout.
+    """
+    start = time.monotonic()
+    host, port = target.host_port
+    data = bytearray()
+    closed = False
+    with trio.move_on_after(timeout) as scope:
+        stream = await trio.open_tcp_stream(host, port)
+        async with stream:
+            try:
+                await stream.send_all(probe.raw or b"")
+                while len(parse_responses(bytes(data))) < probe.expect:
+                    chunk = await stream.receive_some(65536)
+                    if not chunk:
+                        closed = True
+                        break
+                    data += chunk
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                closed = True   # a reset after the answer (or instead of one) shows in what was read
+    responses = parse_responses(bytes(data))
+    if closed and not responses and data:
+        head, _, body = bytes(data).partition(b"\r\n\r\n")   # a response whose body ran to the close
+        match = re.match(rb"HTTP/1\.[01] (\d{3})", head)
+        if match:
+            responses = [(int(match.group(1)), {}, body)]
+    statuses = [status for status, _, _ in responses]
+    error = "timeout" if scope.cancelled_caught else None
+    said_close = bool(responses) and responses[-1][1].get("connection", "").lower() == "close"
+    if error is None and len(responses) < probe.expect and not said_close:
+        # A server may close after a response that says "Connection: close"; the client retries the rest.
+        error = f"connection closed after {len(responses)} of {probe.expect} responses"
+    status, headers, body = responses[0] if responses else (None, {}, b"")
+    return Outcome(status, headers, body[:READ_CAP], time.monotonic() - start, error=error, statuses=statuses)
+
+
+def resolve_placeholders(probe: Probe, state: RunState) -> tuple[str, bytes | None]:
+    """The path and body with the FILE_ID placeholder replaced by a file uploaded in this run."""
+    real = state.file_ids[probe.index % len(state.file_ids)] if state.file_ids else "file-" + "0" * 24
+    body = probe.body.replace(FILE_ID.encode(), real.encode()) if probe.body is not None else None
+    return probe.path.replace(FILE_ID, real), body
+
+
+# --- checks -------------------------------------------------------------------------------------
+
+def reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def strict_json(data: bytes) -> Any:
+    """Parse as a strict client would: no NaN/Infinity, no lone surrogates."""
+    value = json.loads(data.decode("utf-8"), parse_constant=reject_constant)
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            node.encode("utf-8")
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return value
+
+
+def envelope_problem(body: bytes, headers: dict[str, str]) -> str | None:
+    """Why an error body is not the OpenAI envelope, or None."""
+    if not headers.get("content-type", "").startswith("application/json"):
+        return f"content-type {headers.get('content-type')!r}, body {body[:200]!r}"
+    try:
+        value = strict_json(body)
+    except (ValueError, UnicodeError) as exc:
+        return f"not strict JSON ({exc}): {body[:200]!r}"
+    error = value.get("error") if isinstance(value, dict) else None
+    if not isinstance(error, dict):
+        return f"no error object: {body[:200]!r}"
+    if not isinstance(error.get("message"), str) or not isinstance(error.get("type"), str):
+        return f"message/type not strings: {body[:200]!r}"
+    if "param" not in error or "code" not in error:
+        return f"param/code missing: {body[:200]!r}"
+    return None
+
+
+def error_code(body: bytes) -> str:
+    try:
+        error = json.loads(body).get("error") or {}
+        return f"{error.get('type')}/{error.get('code')}"
+    except (ValueError, AttributeError):
+        return "?"
+
+
+def check(probe: Probe, outcome: Outcome, state: RunState, timeout: float = math.inf) -> None:
+    """Record what is wrong with one response."""
+    status = outcome.status
+    if outcome.error == "timeout":
+        state.problem("hang", probe, status, f"no complete answer in {outcome.elapsed:.1f} s")
+        return
+    if outcome.elapsed > timeout:
+        state.problem("hang", probe, status, f"answered {status} after {outcome.elapsed:.1f} s (limit {timeout:g} s)")
+    if status is None:
+        if not probe.protocol:
+            state.problem("no_response", probe, None, outcome.error or "connection closed without a response")
+        return
+    if outcome.error and not probe.protocol:
+        state.problem("keepalive", probe, status, f"{outcome.error}: statuses {outcome.statuses}")
+    body, headers = outcome.body, outcome.headers
+    for seen in outcome.statuses or [status]:
+        if seen >= 500 and not allowed_5xx(seen, body, headers):
+            state.problem("5xx", probe, seen, body[:300].decode("utf-8", errors="replace"))
+    if status == 503 and "server_busy" in error_code(body) and "retry-after" not in headers:
+        state.problem("retry_after", probe, status, "503 server_busy without Retry-After")
+    if status >= 400 and probe.method != "HEAD" and not (probe.protocol and status < 500):
+        problem = envelope_problem(body, headers)
+        if problem:
+            state.problem("envelope", probe, status, problem)
+    if status >= 400 and LEAK.search(body.decode("utf-8", errors="replace")):
+        state.problem("leak", probe, status, body[:300].decode("utf-8", errors="replace"))
+    if 200 <= status < 300 and probe.method not in ("HEAD", "OPTIONS") and probe.raw is None:
+        content_type = headers.get("content-type", "")
+        if content_type.startswith("text/event-stream"):
+            for event in sse_payloads(body, complete=probe.disconnect_after is None):
+                if event == "[DONE]":
+                    continue
+                try:
+                    value = strict_json(event.encode())
+                except (ValueError, UnicodeError) as exc:
+                    state.problem("bad_json", probe, status, f"SSE event not strict JSON ({exc}): {event[:200]}")
+                    continue
+                if isinstance(value, dict) and "error" in value:
+                    error = value["error"] if isinstance(value["error"], dict) else {}
+                    if error.get("type") == "server_error" or str(error.get("code", "")).startswith("internal"):
+                        state.problem("stream_error", probe, status, event[:300])
+        elif content_type.startswith("application/json"):
+            try:
+                strict_json(body)
+            except (ValueError, UnicodeError) as exc:
+                state.problem("bad_json", probe, status, f"2xx body not strict JSON ({exc}): {body[:200]!r}")
+
+
+def allowed_5xx(status: int, body: bytes, headers: dict[str, str]) -> bool:
+    if status in (503, 507):
+        return True
+    return status == 501 and error_code(body).endswith("/not_supported")
+
+
+def sse_payloads(body: bytes, complete: bool) -> list[str]:
+    events = body.decode("utf-8", errors="replace").split("\n\n")
+    if not complete:
+        events = events[:-1]   # the last one may be cut off where we stopped reading
+    return [line[6:] for event in events for line in event.split("\n") if line.startswith("data: ")]
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+async def poll_health(target: Target, state: RunState, done: trio.Event, workers: trio.CancelScope) -> None:
+    """GET /health every 0.5 s; a server silent for FREEZE_AFTER_S is frozen and the run stops."""
+    last_ok = time.monotonic()
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while not done.is_set():
+            start = time.monotonic()
+            try:
+                response = await client.get(f"{target.url}/health")
+                ok, what = response.status_code == 200, f"status {response.status_code}"
+            except httpx.HTTPError as exc:
+                ok, what = False, f"{type(exc).__name__}"
+            elapsed = time.monotonic() - start
+            state.health_polls += 1
+            state.health_max_s = max(state.health_max_s, elapsed)
+            at = start - state.started
+            if not ok or elapsed > HEALTH_LIMIT_S:
+                state.health_failures.append(f"t={at:.1f}s {what} in {elapsed:.2f}s")
+            if ok:
+                last_ok = time.monotonic()
+            elif time.monotonic() - last_ok > FREEZE_AFTER_S:
+                state.frozen = True
+                workers.cancel()
+                return
+            with trio.move_on_after(max(0.0, 0.5 - elapsed)):
+                await done.wait()
+
+
+async def run_probes(target: Target, probes: list[Probe], concurrency: int, timeout: float, state: RunState,
+                     progress: Callable[[str], None] | None = None) -> None:
+    send, receive = trio.open_memory_channel[Probe](len(probes) or 1)
+    for probe in probes:
+        send.send_nowait(probe)
+    send.close()
+    done = trio.Event()
+
+    async def worker(receive: trio.MemoryReceiveChannel) -> None:
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        client = httpx.AsyncClient(base_url=target.url, timeout=timeout * LATE_FACTOR, limits=limits)
+        async with receive, client:
+            async for probe in receive:
+                await one(client, probe)
+
+    async def one(client: httpx.AsyncClient, probe: Probe) -> None:
+        path, body = resolve_placeholders(probe, state)
+        start = time.monotonic()
+        outcome = None
+        # Past `timeout` a request is a hang; waiting LATE_FACTOR times longer tells a slow answer from none.
+        hard = timeout * LATE_FACTOR
+        with trio.move_on_after(hard + 1.0):
+            try:
+                if probe.raw is not None:
+                    outcome = await send_raw(target, probe, hard)
+                else:
+                    with trio.fail_after(hard):
+                        outcome = await send_http(client, probe, path, body)
+            except (trio.TooSlowError, httpx.TimeoutException):
+                outcome = None
+            except (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL, UnicodeEncodeError):
+                state.client_refused += 1   # httpx would not send it: nothing learned about the server
+                return
+            except (httpx.HTTPError, OSError) as exc:
+                outcome = Outcome(None, {}, b"", time.monotonic() - start, error=f"{type(exc).__name__}: {exc}")
+        if outcome is None:
+            outcome = Outcome(None, {}, b"", time.monotonic() - start, error="timeout")
+        state.sent += 1
+        seen = str(outcome.status) if outcome.status else (outcome.error or "none").split(":")[0]
+        state.statuses[probe.endpoint][seen] += 1
+        state.log.append({"index": probe.index, "endpoint": probe.endpoint, "tag": probe.tag, "status": seen,
+                          "elapsed_s": round(outcome.elapsed, 3),
+                          "body": outcome.body[:200].decode("utf-8", "replace")})
+        check(probe, outcome, state, timeout)
+        if outcome.status is not None and outcome.status == 200 and probe.endpoint == "POST /v1/files":
+            try:
+                state.file_ids.append(json.loads(outcome.body)["id"])
+            except (ValueError, KeyError, TypeError):
+                pass
+        if outcome.status is not None and outcome.status >= 400 and probe.raw is None:
+            await follow_up(client, probe)
+        if progress and state.sent >= state.reported + 250:
+            state.reported += 250
+            progress(f"{state.sent}/{len(probes)} sent, {len(state.problems)} problems")
+
+    async def follow_up(client: httpx.AsyncClient, probe: Probe) -> None:
+        """The same keep-alive connection must still answer after an error."""
+        with trio.move_on_after(2.0) as scope:
+            try:
+                response = await client.get("/health")
+                if response.status_code != 200:
+                    state.problem("keepalive", probe, response.status_code, "GET /health after it answered "
+                                  f"{response.status_code}")
+            except httpx.HTTPError as exc:
+                state.problem("keepalive", probe, None, f"GET /health on the same connection failed: {exc!r}")
+        if scope.cancelled_caught:
+            state.problem("keepalive", probe, None, "GET /health on the same connection got no answer in 2 s")
+
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as workers:
+            nursery.start_soon(poll_health, target, state, done, workers)
+            async with trio.open_nursery() as pool:
+                for _ in range(max(1, concurrency)):
+                    pool.start_soon(worker, receive.clone())
+            receive.close()
+        done.set()
+
+
+def final_checks(target: Target, state: RunState, process_alive: Callable[[], bool] | None) -> bool:
+    """The server answers /health, its process lives, and no slot stays busy. Returns alive."""
+    alive = False
+    for _ in range(10):
+        try:
+            alive = httpx.get(f"{target.url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            alive = False
+        if alive:
+            break
+        time.sleep(0.5)
+    if process_alive is not None and not process_alive():
+        alive = False
+    if not alive:
+        state.problems.append(Problem("dead", Probe(-1, "-", "GET", "/health"), None,
+                                      "the server does not answer /health at the end" +
+                                      (" (frozen during the run)" if state.frozen else "")))
+        return False
+    deadline = time.monotonic() + 10
+    busy: list = []
+    while time.monotonic() < deadline:
+        try:
+            slots = httpx.get(f"{target.url}/slots", timeout=5.0).json()
+            busy = [s for s in slots if isinstance(s, dict) and s.get("is_processing")]
+        except (httpx.HTTPError, ValueError):
+            busy = []
+        if not busy:
+            break
+        time.sleep(0.5)
+    if busy:
+        state.problems.append(Problem("busy_slot", Probe(-1, "-", "GET", "/slots"), None,
+                                      f"slots still processing 10 s after the run: {json.dumps(busy)[:300]}"))
+    return True
+
+
+def summarize(target: Target, state: RunState, probes: list[Probe], alive: bool, args: dict) -> dict:
+    counts = Counter(p.kind for p in state.problems)
+    counts["health"] += len(state.health_failures)
+    by_kind: dict[str, list] = defaultdict(list)
+    for p in state.problems:
+        by_kind[p.kind].append({**p.probe.describe(), "status": p.status, "detail": p.detail})
+    return {
+        "config": args,
+        "target": {"url": target.url, "model": target.model_id, "slots": target.n_slots, "n_ctx": target.n_ctx,
+                   "body_limit": target.body_limit},
+        "requests": len(probes), "sent": state.sent, "client_refused": state.client_refused,
+        "elapsed_s": round(time.monotonic() - state.started, 1),
+        "endpoints": {k: dict(sorted(v.items())) for k, v in sorted(state.statuses.items())},
+        "counts": {kind: counts.get(kind, 0) for kind in FAILURE_KINDS},
+        "health": {"polls": state.health_polls, "max_latency_s": round(state.health_max_s, 3),
+                   "failures": state.health_failures[:50]},
+        "hangs_answered_late": sum(1 for p in state.problems if p.kind == "hang" and p.detail.startswith("answered")),
+        "frozen": state.frozen, "alive": alive,
+        "problems": {kind: items for kind, items in by_kind.items()},
+        "log": sorted(state.log, key=lambda line: line["index"]),
+        "failed": any(counts.get(kind, 0) for kind in FAILURE_KINDS),
+    }
+
+
+def run_fuzz(url: str, *, requests: int = 3000, seed: int = 0, concurrency: int = 8, timeout: float = 10.0,
+             skip: tuple[str, ...] = (), only: tuple[int, ...] = (), body_limit: int = 32 * 1024 * 1024,
+             process_alive: Callable[[], bool] | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """Build the probes for `seed`, send them, check everything; the results as a JSON-able dict."""
+    target = discover(url, body_limit)
+    probes = ProbeFactory(target, seed, requests).build(requests)
+    kept = [p for p in probes if not any(word in p.tag.split() for word in skip)]
+    if only:
+        kept = [p for p in kept if p.index in only]
+    if progress:
+        progress(f"{len(kept)} requests ({len(probes) - len(kept)} skipped) against {target.url} "
+                 f"({target.model_id}, {target.n_slots} slot(s), n_ctx {target.n_ctx})")
+    state = RunState()
+    trio.run(run_probes, target, kept, concurrency, timeout, state, progress)
+    alive = final_checks(target, state, process_alive)
+    args = {"requests": requests, "seed": seed, "concurrency": concurrency, "timeout": timeout, "skip": list(skip)}
+    return summarize(target, state, kept, alive, args)
+
+
+# --- report -------------------------------------------------------------------------------------
+
+def print_report(result: dict, examples: int = 5, out=sys.stdout) -> None:
+    print(f"\n{result['sent']} requests to {result['target']['url']} ({result['target']['model']}, "
+          f"{result['target']['slots']} slot(s), n_ctx {result['target']['n_ctx']}) in {result['elapsed_s']} s; "
+          f"{result['client_refused']} not sendable by httpx", file=out)
+    width = max([len(e) for e in result["endpoints"]] + [8])
+    print(f"\n{'endpoint':<{width}}  {'n':>5}  statuses", file=out)
+    for endpoint, statuses in result["endpoints"].items():
+        total = sum(statuses.values())
+        text = " ".join(f"{k}:{v}" for k, v in statuses.items())
+        print(f"{endpoint:<{width}}  {total:>5}  {text}", file=out)
+    health = result["health"]
+    print(f"\n/health: {health['polls']} polls, max {health['max_latency_s']:.3f} s, "
+          f"{len(health['failures'])} over {HEALTH_LIMIT_S:.0f} s or failed", file=out)
+    print("failures: " + ", ".join(f"{k} {v}" for k, v in result["counts"].items()), file=out)
+    if result["counts"]["hang"]:
+        print(f"hangs: {result['hangs_answered_late']} answered late (within {LATE_FACTOR}x the timeout: a slow "
+              f"or queued request), {result['counts']['hang'] - result['hangs_answered_late']} never", file=out)
+    if result["frozen"]:
+        print("the server stopped answering /health during the run (frozen): the run was cut short", file=out)
+    for kind, items in result["problems"].items():
+        print(f"\n[{kind}] {len(items)}; first {min(examples, len(items))}:", file=out)
+        for item in items[:examples]:
+            print(f"  #{item['index']} {item['method']} {item['path']}  -> {item['status']}  ({item['tag']})", file=out)
+            if item["headers"]:
+                print(f"      headers {item['headers']}", file=out)
+            if item["body"] is not None:
+                print(f"      body {item['body']}", file=out)
+            print(f"      {item['detail']}", file=out)
+    for failure in health["failures"][:examples]:
+        print(f"  /health {failure}", file=out)
+    print("\nFAILED" if result["failed"] else "\nOK", file=out)
+
+
+@contextmanager
+def served(url: str | None, model: str | None, serve_args: str, body_limit: int | None) -> Iterator[tuple]:
+    """(url, process or None, body limit): the given server, or one started with ServerProcess."""
+    if url:
+        yield url, None, body_limit or 32 * 1024 * 1024
+        return
+    from basert.server.launcher import ServerProcess
+
+    flags = shlex.split(serve_args)
+    with tempfile.TemporaryDirectory(prefix="basert-fuzz-") as tmp:
+        root = Path(tmp)
+        if "--files-dir" not in flags:
+            flags += ["--files-dir", str(root / "files")]
+        if "--slot-save-path" not in flags:
+            flags += ["--slot-save-path", str(root / "slots")]
+        if "--max-body-bytes" in flags:
+            body_limit = int(flags[flags.index("--max-body-bytes") + 1])
+        else:
+            body_limit = body_limit or 1024 * 1024
+            flags += ["--max-body-bytes", str(body_limit)]
+        process = ServerProcess(model, *flags, log_path=root / "server.log")
+        try:
+            yield process.url, process, body_limit
+        finally:
+            code = process.stop()
+            if code != 0:
+                print(f"server exited with {code}; log tail:\n{process.log_text()[-4000:]}", file=sys.stderr)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="an existing server, e.g. http://127.0.0.1:8080")
+    where.add_argument("--model", help="start `basert serve MODEL` (ServerProcess) for the run")
+    parser.add_argument("--serve-args", default="", help='extra serve flags, e.g. "--continuous-batching 4"')
+    parser.add_argument("--requests", type=int, default=3000, help="requests in all (default 3000; the fixed "
+                        "hostile cases are always sent, with at least a third as many generated ones)")
+    parser.add_argument("--seed", type=int, default=0, help="generation seed (default 0)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds before a request is a hang (default 10)")
+    parser.add_argument("--body-limit", type=int, help="the server's --max-body-bytes (default 32 MiB; 1 MiB "
+                        "is passed to a server this tool starts)")
+    parser.add_argument("--skip", action="append", default=[], help="leave out requests with this tag word "
+                        "(e.g. id_slot); repeatable")
+    parser.add_argument("--only", default="", help="comma-separated request indices to send (replay)")
+    parser.add_argument("--examples", type=int, default=5, help="offending requests printed per kind")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--log", type=Path, help="write one JSON line per request here (status, time, body start)")
+    args = parser.parse_args()
+    only = tuple(int(i) for i in args.only.split(",") if i.strip())
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    with served(args.url, args.model, args.serve_args, args.body_limit) as (url, process, body_limit):
+        alive = (lambda: process.process.poll() is None) if process is not None else None
+        result = run_fuzz(url, requests=args.requests, seed=args.seed, concurrency=args.concurrency,
+                          timeout=args.timeout, skip=tuple(args.skip), only=only, body_limit=body_limit,
+                          process_alive=alive, progress=progress)
+        if process is not None and result["failed"]:
+            result["server_log_tail"] = process.log_text()[-6000:]
+    print_report(result, args.examples)
+    log = result.pop("log")
+    if args.log:
+        args.log.write_text("".join(json.dumps(line) + "\n" for line in log))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return 1 if result["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
