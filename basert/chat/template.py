@@ -76,12 +76,16 @@ class ChatTemplate:
     def render(
         self,
         messages: list[dict],
+        /,
         *,
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """Render OpenAI-shaped messages (and tools) into the prompt text."""
+        """Render OpenAI-shaped messages (and tools) into the prompt text.
+
+        `self` and `messages` are positional-only, so template variables of those names land in `template_kwargs`.
+        """
         # Same variables as HF apply_chat_template: `tools` is always defined (None when absent),
         # special tokens first so that explicit kwargs override them.
         variables = {

@@ -1,8 +1,8 @@
 """ASGI middleware around the app: answers sent before the request body was read, and requests in flight.
 
 An early answer (401, 404, 405, 413, or a 400 before the body is read) must not leave a kept-alive
-connection dead. On HTTP/1.x the answer says `Connection: close`, so the client opens a new connection
-for its next request. On HTTP/2 the end of the answer waits until the client has sent its whole body
+connection dead. On HTTP/1.x the answer waits a moment for the rest of the body; if it is still coming,
+the answer says `Connection: close`, so the client opens a new connection for its next request. On HTTP/2 the end of the answer waits until the client has sent its whole body
 (bounded), because a stream must not be closed while the client still sends on it.
 """
 
@@ -12,6 +12,8 @@ import trio
 
 # How long an HTTP/2 answer waits for the rest of a body it does not need.
 BODY_DRAIN_SECONDS = 30.0
+# How long an HTTP/1.x answer waits for the rest of the body before it closes the connection instead.
+BODY_WAIT_HTTP1_SECONDS = 1.0
 
 
 def _declares_body(scope: dict) -> bool:
@@ -52,7 +54,11 @@ class RequestGuard:
 
         async def guarded_send(message) -> None:
             if message["type"] == "http.response.start" and http1 and not body_complete.is_set():
-                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+                # The app reads the rest of the body in the background: a short one arrives at once.
+                with trio.move_on_after(BODY_WAIT_HTTP1_SECONDS):
+                    await body_complete.wait()
+                if not body_complete.is_set():
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False) and not http1:
                 with trio.move_on_after(BODY_DRAIN_SECONDS):
                     await body_complete.wait()

@@ -163,6 +163,15 @@ def token_piece(model: ServedModel, token_id: int) -> tuple[str, list[int]]:
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
+# What a log probability of minus infinity (a token a grammar or logit_bias ruled out) is reported as:
+# JSON has no infinity, and OpenAI reports such tokens with this value.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
 def chat_logprobs(model: ServedModel, ids: list[int], logprobs: list[TokenLogprob | None]) -> dict:
     content = []
     for token_id, lp in zip(ids, logprobs):
@@ -172,8 +181,8 @@ def chat_logprobs(model: ServedModel, ids: list[int], logprobs: list[TokenLogpro
         top = []
         for alt_id, alt_lp in lp.top:
             alt_text, alt_raw = token_piece(model, alt_id)
-            top.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
-        content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+            top.append({"token": alt_text, "logprob": finite_logprob(alt_lp), "bytes": alt_raw})
+        content.append({"token": text, "logprob": finite_logprob(lp.logprob), "bytes": raw, "top_logprobs": top})
     return {"content": content}
 
 
@@ -184,8 +193,8 @@ def completion_logprobs(model: ServedModel, ids: list[int], logprobs: list[Token
     for token_id, lp in zip(ids, logprobs):
         text, _ = token_piece(model, token_id)
         tokens.append(text)
-        token_logprobs.append(lp.logprob if lp else None)
-        tops.append({token_piece(model, i)[0]: v for i, v in lp.top} if lp else None)
+        token_logprobs.append(finite_logprob(lp.logprob) if lp else None)
+        tops.append({token_piece(model, i)[0]: finite_logprob(v) for i, v in lp.top} if lp else None)
         offsets.append(position)
         position += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
