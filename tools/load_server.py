@@ -310,8 +310,8 @@ def main() -> int:
         failures.append("the server process died")
     result["failures"] = failures
 
-    print(f"\n{args.clients} clients for {args.seconds:.0f} s against {url} ({args.serve_args or 'default flags'}); "
-          f"took {elapsed:.1f} s")
+    flags = "an existing server" if args.url else (args.serve_args or "default serve flags")
+    print(f"\n{args.clients} clients for {args.seconds:.0f} s against {url} ({flags}); took {elapsed:.1f} s")
     print(f"requests  started {state.started}, completed {state.completed} ({state.streamed} streamed), "
           f"dropped mid-stream by the client {state.disconnected}")
     print("errors    " + (", ".join(f"{k}: {v}" for k, v in state.errors.most_common()) or "none"))
