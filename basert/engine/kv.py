@@ -93,8 +93,10 @@ class KVCache:
         if np.dtype(dtype) not in (np.dtype(np.float16), np.dtype(np.float32)):
             raise ValueError(f"KV element type must be float16 or float32, not {dtype}")
         shape = (n_blocks, n_kv_heads, BLOCK_SIZE, head_dim)
-        self.k = [np.zeros(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [np.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        # Written once now, not lazily on first use: the pool's memory is taken at start, so a server that
+        # cannot hold it fails before it serves, and its resident size does not creep up under load.
+        self.k = [np.full(shape, 0, dtype=dtype) for _ in range(n_layers)]
+        self.v = [np.full(shape, 0, dtype=dtype) for _ in range(n_layers)]
         self.n_blocks = n_blocks
         self.dtype = np.dtype(dtype)
 
