@@ -307,8 +307,15 @@ def _padding_ids(hf: dict) -> list[int]:
 
 
 def _first_line(message: str) -> str:
-    # llguidance appends parser state or the grammar's listing on further lines.
-    return message.partition("\n")[0]
+    # llguidance appends parser state or the grammar's listing on further lines. A first line that ends in
+    # ":" ("regex parse error:") announces its detail on the next few lines: keep those, on one line.
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return message
+    kept = lines[:1]
+    if kept[0].endswith(":"):
+        kept += lines[1:4]
+    return " ".join(kept)[:300]
 
 
 def _lark_string(text: str) -> str:
