@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 
 import basert
-from conftest import FIXTURES
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from basert import __version__
 from conftest import FIXTURES
+
+from basert import __version__
 
 
 def basert(*args: str, models_dir: Path | None = None) -> subprocess.CompletedProcess:
@@ -85,8 +86,8 @@ def test_complete_prints_the_reference_continuation(smollm2_base: Path) -> None:
     capital = next(p for p in reference["prompts"] if p["name"] == "capital")
     result = basert("complete", str(smollm2_base), "--prompt", capital["text"], "-n", "12", "--threads", "2")
     assert result.returncode == 0, result.stderr
-    from basert.tokenizer import Tokenizer
     from basert.format import BaseFile
+    from basert.tokenizer import Tokenizer
 
     with BaseFile(smollm2_base) as base:
         tokenizer = Tokenizer.from_object(base.tokenizer)

@@ -9,12 +9,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from conftest import FIXTURES, TINY_MODELS
 from safetensors.numpy import load_file
 
 from basert.convert import ConvertError, convert
 from basert.format import BaseFile
 from basert.format.quant import bf16_bits_to_f32, f32_to_bf16_bits
-from conftest import FIXTURES, TINY_MODELS
 
 Q = gguf.GGMLQuantizationType
 

@@ -9,7 +9,6 @@ import pytest
 from basert.chat.detokenizer import IncrementalDetokenizer
 from basert.tokenizer import Tokenizer
 
-
 TEXTS = [
     "桜の花が咲いた",
     "👩‍👩‍👧‍👦 family, 🏳️‍🌈 and 🧑🏽‍💻",

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import FIXTURES, TINY_MODELS
 
 from basert.engine.runner import ForwardRequest, ModelRunner
-from conftest import FIXTURES, TINY_MODELS
 
 LOGIT_ATOL = 1e-4
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_saves_killed import DISK_ERROR, storage_error_message
 
 from basert.server.files import (
     FileNotFoundInStoreError,
@@ -20,7 +21,6 @@ from basert.server.files import (
     UnsafeFilenameError,
     safe_child,
 )
-from test_saves_killed import DISK_ERROR, storage_error_message
 
 ID_RE = re.compile(r"file-[0-9a-f]{24}")
 
@@ -358,7 +358,7 @@ def test_a_slot_copy_across_filesystems_that_hits_a_disk_error_stores_nothing(tm
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
         pytest.skip("needs /dev/shm on a filesystem other than tmp_path's")
-    store = FilesStore(tmp_path)
+    FilesStore(tmp_path)  # the store's folders exist before the copy
     fd, name = tempfile.mkstemp(dir=shm)
     os.write(fd, b"s" * 10_000)
     os.close(fd)

@@ -11,7 +11,7 @@ import pytest
 from basert.server.launcher import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import fuzz_server  # noqa: E402
+import fuzz_server
 
 BODY_LIMIT = 200_000
 

@@ -74,7 +74,8 @@ ORDER_SCHEMA = {
     "required": ["id", "status", "customer", "items"],
     "additionalProperties": False,
 }
-ORDER = '{"id":7,"status":"paid","customer":{"name":"Ada","vip":true},"items":[{"sku":"A1","qty":2},{"sku":"B2","qty":1}]}'
+ORDER = ('{"id":7,"status":"paid","customer":{"name":"Ada","vip":true},'
+         '"items":[{"sku":"A1","qty":2},{"sku":"B2","qty":1}]}')
 
 JSON_CALL = '<tool_call>\n{"name":"lookup_key","arguments":{"key":"seq-3"}}\n</tool_call>'
 XML_CALL = (
@@ -403,7 +404,8 @@ def test_json_object_is_one_compact_object(factories, tokenizers, marked: str) -
     [
         ({"type": "nonsense"}, "Invalid type: nonsense"),
         ({"properties": {"a": {"$ref": "#/$defs/missing"}}}, "Pointer '/$defs/missing' does not exist"),
-        ({"type": "integer", "minimum": 5, "maximum": 2}, "Unsatisfiable schema: minimum (5) is greater than maximum (2)"),
+        ({"type": "integer", "minimum": 5, "maximum": 2},
+         "Unsatisfiable schema: minimum (5) is greater than maximum (2)"),
         ({"type": "string", "format": "no-such-format"}, "Unknown format: no-such-format"),
         (["not", "an", "object"], "a JSON schema must be an object, got list"),
     ],

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import FIXTURES
 
 HARNESS_PATH = Path(__file__).resolve().parent.parent / "tools" / "tool_call_harness.py"

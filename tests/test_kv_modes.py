@@ -17,9 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import FIXTURES
+
 from basert.server.launcher import ServerProcess
+
 
 def system_prompt(n_rules: int) -> str:
     return " ".join(f"Rule {i}: answer the user briefly, in plain words, and never invent facts about item {i}."

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_engine_lanes import make_engine, request, run
+from test_saves_killed import DISK_ERROR, storage_error_message
 
 from basert.engine.kv import BLOCK_SIZE
 from basert.engine.prefix_cache import PrefixCache
 from basert.engine.prefix_store import PrefixCacheFileError, load_prefix_cache, prefix_cache_file, save_prefix_cache
 from basert.engine.runner import ModelRunner
-from test_engine_lanes import make_engine, request, run
-from test_saves_killed import DISK_ERROR, storage_error_message
 
 
 def filled_engine(path: Path):

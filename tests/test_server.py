@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from conftest import FIXTURES
+
 from basert.server.launcher import ServerProcess
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import FIXTURES
+
 from basert.chat.encoder import ChatEncoder
 from basert.chat.template import ChatTemplate
 from basert.server.launcher import ServerProcess

@@ -1,4 +1,5 @@
-"""Tool-call parsing of generated text in both Qwen dialects, streamed in arbitrary pieces, and the generic tool prompt."""
+"""Tool-call parsing of generated text in both Qwen dialects, streamed in arbitrary pieces, and the generic tool
+prompt."""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576))  # N x K: attentio
 KINDS = (("base_q4", 32, False), ("base_q8", 32, True), ("f32", 0, False))  # kind, group, symmetric
 COLD_BYTES = 96 << 20  # three times a 32 MiB L3
 LAYERS = 30
-LAYER_SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))  # q k v o gate up down
+# q k v o gate up down
+LAYER_SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
 VOCAB = 49152
 
 
@@ -40,7 +41,8 @@ class Result:
     weight_gbps: float
 
 
-def make_weight(kind: str, group: int, symmetric: bool, n: int, k: int, rng: np.random.Generator) -> tuple[mm.Weight, int]:
+def make_weight(kind: str, group: int, symmetric: bool, n: int, k: int,
+                rng: np.random.Generator) -> tuple[mm.Weight, int]:
     """A weight of random codes (timing does not depend on values) and its size in bytes, scales included."""
     if kind == "f32":
         data = rng.standard_normal(n * k, dtype=np.float32).view(np.uint8)
@@ -79,7 +81,8 @@ def print_row(result: Result) -> None:
           f"{result.gflops:7.1f} GFLOP/s  {result.weight_gbps:6.2f} GB/s", flush=True)
     if result.case == "smollm2-135m":
         tokens_per_s = int(result.m) / (result.us_per_call * 1e-6)
-        print(f"{'':13} -> {tokens_per_s:.0f} tokens/s from matmul alone ({'decode' if result.m == '1' else 'prefill'})",
+        phase = "decode" if result.m == "1" else "prefill"
+        print(f"{'':13} -> {tokens_per_s:.0f} tokens/s from matmul alone ({phase})",
               flush=True)
 
 

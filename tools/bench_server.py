@@ -331,7 +331,8 @@ def part_a_tables(runs: list[PrefixRun], prefix_tokens: int) -> str:
         mean_ttft = statistics.mean(row["ttft_ms"] for row in run.requests)
         lines.append(f"| {run.config} | {run.mode} | {run.makespan_s:.2f} | {mean_ttft:.1f} | "
                      f"{fmt(run.prefill_ratio, 3)} |")
-    lines += ["", ("prefill ms and tok/s are the server's `timings` (uncached tokens only, from the first prompt chunk computed: queueing and waiting for a shared prefix excluded); "
+    lines += ["", ("prefill ms and tok/s are the server's `timings` (uncached tokens only, from the first prompt "
+                   "chunk computed: queueing and waiting for a shared prefix excluded); "
                    "TTFT is client-side, send to first content chunk, queueing included.")]
     return "\n".join(lines)
 

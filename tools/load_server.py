@@ -27,7 +27,7 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fuzz_server import envelope_problem, served, strict_json  # noqa: E402
+from fuzz_server import envelope_problem, served, strict_json
 
 HEALTH_LIMIT_S = 1.0
 RSS_GROWTH_LIMIT = 100 * 1024 * 1024

@@ -10,7 +10,7 @@ with the whole pool is finished.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from basert.engine.engine import LaneStatus, StepPlan
 from basert.engine.kv import BLOCK_SIZE, blocks_for

@@ -6,7 +6,6 @@ import sys
 import time
 from typing import TextIO
 
-
 QUIET_SECONDS = 1.0
 
 

@@ -324,7 +324,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API",
                        description="Serve one or more models over an OpenAI-compatible HTTP API "
                        "(/v1/chat/completions, /v1/completions, /v1/models, /v1/tokenize, /v1/detokenize, "
-                       "/v1/files, /slots, /health, /metrics). SIGINT/SIGTERM drain: new requests get 503, running ones "
-                       "finish (up to --drain-timeout), the prefix cache is saved, exit code 0.")
+                       "/v1/files, /slots, /health, /metrics). SIGINT/SIGTERM drain: new requests get 503, running "
+                       "ones finish (up to --drain-timeout), the prefix cache is saved, exit code 0.")
     add_arguments(p)
     p.set_defaults(func=cmd_serve)

@@ -7,7 +7,7 @@ then it waits in an LRU queue, still holding its KV, until a hit revives it or a
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

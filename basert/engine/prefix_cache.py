@@ -13,8 +13,8 @@ as many pool blocks as its bytes would fill, released when its block is evicted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import xxhash

@@ -6,9 +6,10 @@ It only computes: callers (the Python API, later the actor's scheduler) decide w
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import xxhash

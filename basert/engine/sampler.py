@@ -173,7 +173,8 @@ class Sampler:
         self._mask = np.empty(vocab_size, np.bool_) if needs_scratch else None
 
     def adjust(self, logits: np.ndarray, history: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Return logits after logit_bias and penalties: the sampler's reused buffer, or `logits` itself if none apply."""
+        """Return logits after logit_bias and penalties: the sampler's reused buffer, or `logits` itself if none
+        apply."""
         if logits.shape != (self.vocab_size,):
             raise ValueError(f"expected a logits row of shape ({self.vocab_size},), got {logits.shape}")
         row = self._row

@@ -9,9 +9,9 @@ import logging
 import math
 import re
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable
 
 import trio
 from quart import Response, request
@@ -29,7 +29,13 @@ from basert.server.json_input import parse_json_object
 from basert.server.logs import printable
 from basert.server.metrics import ServerMetrics
 from basert.server.rate_limit import RateLimiter
-from basert.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SlotFileRequest, TokenizeRequest
+from basert.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SlotFileRequest,
+    TokenizeRequest,
+)
 
 access_log = logging.getLogger("basert.access")
 SNAPSHOT_PURPOSE = "slot_snapshot"

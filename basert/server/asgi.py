@@ -2,8 +2,9 @@
 
 An early answer (401, 404, 405, 413, or a 400 before the body is read) must not leave a kept-alive
 connection dead. On HTTP/1.x the answer waits a moment for the rest of the body; if it is still coming,
-the answer says `Connection: close`, so the client opens a new connection for its next request. On HTTP/2 the end of the answer waits until the client has sent its whole body
-(bounded), because a stream must not be closed while the client still sends on it.
+the answer says `Connection: close`, so the client opens a new connection for its next request. On HTTP/2
+the end of the answer waits until the client has sent its whole body (bounded), because a stream must not
+be closed while the client still sends on it.
 """
 
 from __future__ import annotations

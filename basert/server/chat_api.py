@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from basert.actor.messages import Done, Tokens
 from basert.chat.encoder import ChatEncoder
@@ -248,7 +248,8 @@ async def chat_completion(model: ServedModel, body: ChatCompletionRequest, limit
     record.absorb(done_list)
     out_choices = []
     for index, (state, done) in enumerate(zip(states, done_list)):
-        message: dict = {"role": "assistant", "content": state.content if (state.content or not state.tool_calls) else None}
+        content = state.content if (state.content or not state.tool_calls) else None
+        message: dict = {"role": "assistant", "content": content}
         if state.reasoning_text:
             message["reasoning_content"] = state.reasoning_text
         if state.tool_calls:

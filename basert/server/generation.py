@@ -6,8 +6,8 @@ import json
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import trio
 
