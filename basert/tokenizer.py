@@ -9,6 +9,8 @@ import warnings
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from basert.errors import InvalidRequestError
+
 # llama.cpp token types (`tokenizer.ggml.token_type`).
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -52,7 +54,7 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>",
 BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InvalidRequestError, ValueError):
     """A tokenizer object that cannot be turned into a working tokenizer."""
 
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: paths to the committed reference data, and models converted once per test session."""
+"""Shared fixtures: paths to the committed reference data, models converted once per test session, and the
+servers that test modules share."""
 
 from __future__ import annotations
 
@@ -6,8 +7,27 @@ from pathlib import Path
 
 import pytest
 
+from basert.testing.pool import ROOT, ServerPool
+
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_MODELS = ("qwen3-tiny", "qwen3_5-tiny", "qwen3_5_moe-tiny", "qwen3_next-tiny")
+QWEN35_TEMPLATE = FIXTURES / "chat-templates" / "Qwen3.5-4B.jinja"
+
+# Flags of the servers in the session's pool: modules that ask for the same model and flags share one server.
+# SmolLM2 with the files store, llama.cpp-style slot files and a body limit (the API and fuzz tests).
+API_BODY_LIMIT = 200_000
+SMOLLM2_API_FLAGS = ("--max-context", "512", "--threads", "2", "--files-dir", f"{ROOT}/files",
+                     "--slot-save-path", f"{ROOT}/slots", "--max-body-bytes", str(API_BODY_LIMIT))
+# SmolLM2 and the tiny Qwen3.5-style hybrid (served with the real Qwen3.5 template) for chat requests.
+SMOLLM2_CHAT_FLAGS = ("--max-context", "1024", "--threads", "2")
+HYBRID_CHAT_FLAGS = ("--max-context", "1024", "--chat-template", str(QWEN35_TEMPLATE))
+
+
+def pytest_report_header() -> str:
+    """Where the compiled kernels of this run come from (the in-place build, or one put first on PYTHONPATH)."""
+    import basert._ext.matmul
+
+    return f"basert kernels: {Path(basert._ext.matmul.__file__).parent}"
 
 
 @pytest.fixture(scope="session")
@@ -103,3 +123,16 @@ def tiny_f32_bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         convert(FIXTURES / "refdata" / "models" / name, out, target="f32")
         bases[name] = out
     return bases
+
+
+@pytest.fixture(scope="session")
+def server_pool(tmp_path_factory: pytest.TempPathFactory):
+    """Servers shared across test modules, reset (slots erased, files deleted) each time one is handed out.
+
+    Every one of them must exit with status 0 when the session ends.
+    """
+    pool = ServerPool(tmp_path_factory.mktemp("servers"))
+    yield pool
+    failed = [f"{server.log_path}: exit status {code}\n{server.log_text()[-3000:]}"
+              for server, code in pool.close() if code != 0]
+    assert not failed, "\n".join(failed)

@@ -86,7 +86,13 @@ def test_hybrid_model_takes_token_ids_and_continues_its_sequence(tiny_f32_bases:
         continued = model.generate(extended, max_tokens=8)
         assert continued.cached_tokens == len(extended) - 1
         assert continued.tokens == prompt["greedy"][8:16]
-        # ...anything else recomputes from scratch and still gives the reference output.
+        # ...a resent prompt resumes from the checkpoint kept before its last token...
         restarted = model.generate(prompt["input_ids"], max_tokens=16)
-        assert restarted.cached_tokens == 0
+        assert restarted.cached_tokens == len(prompt["input_ids"]) - 1
         assert restarted.tokens == prompt["greedy"]
+        # ...and anything else recomputes from scratch; each still gives the reference output.
+        other = reference["prompts"][0]
+        assert other["input_ids"][0] != prompt["input_ids"][0]
+        fresh = model.generate(other["input_ids"], max_tokens=8)
+        assert fresh.cached_tokens == 0
+        assert fresh.tokens == other["greedy"][:8]

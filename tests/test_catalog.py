@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from basert.server.catalog import model_id_for
+from basert.engine.build import model_id_for
 
 
 def test_model_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

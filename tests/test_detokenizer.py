@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from basert.chat.detokenizer import IncrementalDetokenizer
+from basert.engine.detokenizer import IncrementalDetokenizer
 from basert.tokenizer import Tokenizer
 
 TEXTS = [

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_saves_killed import DISK_ERROR, storage_error_message
 
 from basert.server.files import (
     FileNotFoundInStoreError,
@@ -21,6 +20,7 @@ from basert.server.files import (
     UnsafeFilenameError,
     safe_child,
 )
+from basert.testing.disk import DISK_ERROR, storage_error_message
 
 ID_RE = re.compile(r"file-[0-9a-f]{24}")
 

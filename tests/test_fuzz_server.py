@@ -7,30 +7,25 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import API_BODY_LIMIT, SMOLLM2_API_FLAGS
 
-from basert.server.launcher import ServerProcess
+from basert.testing.launcher import ServerProcess
+from basert.testing.pool import ServerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import fuzz_server
 
-BODY_LIMIT = 200_000
-
 
 @pytest.fixture(scope="module")
-def server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("fuzz")
-    proc = ServerProcess(smollm2_base, "--max-context", "512", "--threads", "2", "--files-dir", str(root / "files"),
-                         "--slot-save-path", str(root / "slots"), "--max-body-bytes", str(BODY_LIMIT),
-                         log_path=root / "server.log")
-    yield proc
-    assert proc.stop() == 0, proc.log_text()[-4000:]
+def server(smollm2_base: Path, server_pool: ServerPool) -> ServerProcess:
+    return server_pool.get(smollm2_base, *SMOLLM2_API_FLAGS)
 
 
 def test_fuzz_subset_no_5xx_hang_or_bad_envelope(server: ServerProcess):
     # One slot serves the generations one at a time: few in flight and a long timeout keep a slow (shared)
     # machine from turning a queue into a "hang". /health latency is reported, not asserted, for the same reason.
     result = fuzz_server.run_fuzz(server.url, requests=300, seed=20261130, concurrency=3, timeout=60.0,
-                                  body_limit=BODY_LIMIT, process_alive=lambda: server.process.poll() is None)
+                                  body_limit=API_BODY_LIMIT, process_alive=lambda: server.process.poll() is None)
     report = io.StringIO()
     fuzz_server.print_report(result, examples=3, out=report)
     assert result["sent"] >= 300, report.getvalue()

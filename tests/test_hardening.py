@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from basert.server.launcher import ServerProcess, free_port
+from basert.testing.client import error_envelope
+from basert.testing.launcher import ServerProcess, free_port
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 LONG_STREAM = {"messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 3000,
@@ -24,31 +25,22 @@ ORIGIN = "http://app.example"
 @pytest.fixture(scope="module")
 def server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("hardening")
-    proc = ServerProcess(smollm2_base, "--max-context", "4096", "--threads", "2", "--max-body-bytes", "100000",
-                         "--files-dir", str(root / "files"), "--slot-save-path", str(root / "slots"),
-                         "--cors-allow-origin", ORIGIN, "--max-queued", "2", "--queue-timeout", "10",
-                         log_path=root / "server.log")
-    yield proc
-    assert proc.stop() == 0, proc.log_text()
+    with ServerProcess(smollm2_base, "--max-context", "4096", "--threads", "2", "--max-body-bytes", "100000",
+                       "--files-dir", str(root / "files"), "--slot-save-path", str(root / "slots"),
+                       "--cors-allow-origin", ORIGIN, "--max-queued", "2", "--queue-timeout", "10",
+                       log_path=root / "server.log") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
 def keyed_server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Keys from the command line (secret-key) and from a key file (second-key)."""
     root = tmp_path_factory.mktemp("keyed")
-    proc = ServerProcess(smollm2_base, "--max-context", "512", "--threads", "2", "--api-key", "secret-key",
-                         "--rate-limit", "8", "--cors-allow-origin", "*", "--max-body-bytes", "100000",
-                         log_path=root / "server.log")
-    yield proc
-    assert proc.stop() == 0, proc.log_text()
-
-
-def envelope(response: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) >= {"message", "type", "param", "code"}
-    if code is not None:
-        assert error["code"] == code, error
-    return error
+    (root / "keys").write_text("second-key\n")
+    with ServerProcess(smollm2_base, "--max-context", "512", "--threads", "2", "--api-key", "secret-key",
+                       "--api-key-file", str(root / "keys"), "--rate-limit", "8", "--cors-allow-origin", "*",
+                       "--max-body-bytes", "100000", log_path=root / "server.log") as proc:
+        yield proc
 
 
 def assert_health_fast(url: str) -> None:
@@ -85,11 +77,11 @@ class Stream:
 
 def test_a_slot_outside_the_slots_is_a_400_and_the_server_keeps_answering(server: ServerProcess):
     for bad in (1, 5, -5):
-        envelope(httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "id_slot": bad}, timeout=10), 400)
+        error_envelope(httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "id_slot": bad}, timeout=10), 400)
         assert_health_fast(server.url)
     stream_error = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "id_slot": 3, "stream": True},
                               timeout=10)
-    envelope(stream_error, 400)
+    error_envelope(stream_error, 400)
     assert httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "id_slot": -1}, timeout=60).status_code == 200
     assert httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "id_slot": 0}, timeout=60).status_code == 200
 
@@ -125,16 +117,24 @@ def test_early_answers_leave_the_connection_usable(server: ServerProcess, http2:
         ]
         for send, status in early:
             response = send()
-            envelope(response, status)
+            error_envelope(response, status)
             assert response.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
             follow = client.post("/v1/chat/completions", json=CHAT)
             assert follow.status_code == 200, follow.text
 
 
+def test_api_keys(keyed_server: ServerProcess):
+    assert httpx.get(keyed_server.url + "/health").status_code == 200
+    error_envelope(httpx.get(keyed_server.url + "/v1/models"), 401, "invalid_api_key")
+    assert httpx.get(keyed_server.url + "/v1/models", headers={"Authorization": "Bearer secret-key"}).status_code == 200
+    assert httpx.get(keyed_server.url + "/v1/models", headers={"X-Api-Key": "second-key"}).status_code == 200
+    assert httpx.get(keyed_server.url + "/slots", headers={"X-Api-Key": "wrong"}).status_code == 401
+
+
 @pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "http2"])
 def test_a_refused_key_leaves_the_connection_usable(keyed_server: ServerProcess, http2: bool):
     with httpx.Client(base_url=keyed_server.url, timeout=20, http1=not http2, http2=http2) as client:
-        envelope(client.post("/v1/chat/completions", json={**CHAT, "pad": "x" * 50_000}), 401, "invalid_api_key")
+        error_envelope(client.post("/v1/chat/completions", json={**CHAT, "pad": "x" * 50_000}), 401, "invalid_api_key")
         follow = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer secret-key"})
         assert follow.status_code == 200, follow.text
 
@@ -167,7 +167,7 @@ HOSTILE_BODIES = {
 def test_hostile_chat_bodies_are_400s(server: ServerProcess, name: str):
     response = httpx.post(server.url + "/v1/chat/completions", content=HOSTILE_BODIES[name], timeout=30,
                           headers={"Content-Type": "application/json"})
-    error = envelope(response, 400)
+    error = error_envelope(response, 400)
     assert "Traceback" not in error["message"] and "/" not in error["message"].split(":")[0]
 
 
@@ -178,7 +178,7 @@ def test_hostile_chat_bodies_are_400s(server: ServerProcess, name: str):
     ("/v1/detokenize", b'{"tokens": [' + b"[" * 5000 + b"]" * 5000 + b"]}"),
 ])
 def test_hostile_bodies_on_other_endpoints_are_400s(server: ServerProcess, path: str, body: bytes):
-    envelope(httpx.post(server.url + path, content=body, timeout=30), 400)
+    error_envelope(httpx.post(server.url + path, content=body, timeout=30), 400)
 
 
 def test_cors_preflight_and_headers(server: ServerProcess, keyed_server: ServerProcess):
@@ -203,7 +203,7 @@ def test_rate_limit_per_key(keyed_server: ServerProcess):
     statuses = [httpx.get(keyed_server.url + "/v1/models", headers=headers).status_code for _ in range(12)]
     assert 429 in statuses and statuses[0] == 200
     refused = httpx.get(keyed_server.url + "/v1/models", headers=headers)
-    envelope(refused, 429, "rate_limit_exceeded")
+    error_envelope(refused, 429, "rate_limit_exceeded")
     assert 1 <= int(refused.headers["Retry-After"]) <= 60
     assert httpx.get(keyed_server.url + "/health").status_code == 200
 
@@ -219,17 +219,17 @@ def test_full_queue_is_503_busy_and_a_long_wait_is_503_queue_timeout(server: Ser
             thread.start()
         time.sleep(0.5)  # both are queued now (the only slot is streaming)
         busy = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=10)
-        envelope(busy, 503, "server_busy")
+        error_envelope(busy, 503, "server_busy")
         assert busy.headers["Retry-After"] == "1"
         busy_stream = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
-        envelope(busy_stream, 503, "server_busy")
+        error_envelope(busy_stream, 503, "server_busy")
         assert_health_fast(server.url)
         for thread in threads:
             thread.join(30)
     finally:
         stream.close()
     for response in queued:
-        envelope(response, 503, "queue_timeout")
+        error_envelope(response, 503, "queue_timeout")
         assert "Retry-After" in response.headers
     assert httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
     slots = httpx.get(server.url + "/slots").json()
@@ -277,12 +277,11 @@ def test_api_key_file_without_a_key_refuses_to_start(tmp_path: Path):
 
 def test_upload_on_a_full_disk_is_507_without_paths(smollm2_base: Path, tmp_path: Path):
     files = tmp_path / "files"
-    proc = ServerProcess(smollm2_base, "--max-context", "256", "--threads", "2", "--files-dir", str(files),
-                         log_path=tmp_path / "server.log", file_size_limit=2_000_000)
-    try:
+    with ServerProcess(smollm2_base, "--max-context", "256", "--threads", "2", "--files-dir", str(files),
+                       log_path=tmp_path / "server.log", file_size_limit=2_000_000) as proc:
         response = httpx.post(proc.url + "/v1/files", files={"file": ("big.bin", b"z" * 3_000_000)},
                               data={"purpose": "user_data"}, timeout=60)
-        error = envelope(response, 507, "insufficient_storage")
+        error = error_envelope(response, 507, "insufficient_storage")
         assert "file upload" in error["message"] and str(tmp_path) not in error["message"]
         assert [p.name for p in files.iterdir()] == []
         small = httpx.post(proc.url + "/v1/files", files={"file": ("small.bin", b"z" * 1000)}, timeout=60)
@@ -290,11 +289,9 @@ def test_upload_on_a_full_disk_is_507_without_paths(smollm2_base: Path, tmp_path
         # SmolLM2 keeps ~23 KB of KV per token: 200 tokens of history make a snapshot beyond the limit.
         long_prompt = {**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}
         assert httpx.post(proc.url + "/v1/chat/completions", json=long_prompt, timeout=60).status_code == 200
-        error = envelope(httpx.post(proc.url + "/slots/0/save", json={}, timeout=60), 507, "insufficient_storage")
+        error = error_envelope(httpx.post(proc.url + "/slots/0/save", json={}, timeout=60), 507, "insufficient_storage")
         assert "slot save" in error["message"] and str(tmp_path) not in error["message"]
         assert sorted(p.name.split(".")[-1] for p in files.iterdir()) == ["data", "json"]
-    finally:
-        assert proc.stop() == 0
 
 
 def test_sigterm_drains_running_requests_then_exits_zero(smollm2_base: Path, tmp_path: Path):
@@ -316,7 +313,7 @@ def test_sigterm_drains_running_requests_then_exits_zero(smollm2_base: Path, tmp
     time.sleep(0.2)
     try:
         refused = httpx.post(proc.url + "/v1/chat/completions", json=CHAT, timeout=10)
-        envelope(refused, 503, "draining")
+        error_envelope(refused, 503, "draining")
         assert "Retry-After" in refused.headers
     except httpx.ConnectError:
         pass  # the drain already finished and the listener is closed

@@ -13,13 +13,16 @@ import re
 import shutil
 import struct
 import time
+from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import FIXTURES
 
-from basert.server.launcher import ServerProcess
+from basert.testing.client import answer, post
+from basert.testing.launcher import ServerProcess, start_servers
 
 
 def system_prompt(n_rules: int) -> str:
@@ -64,9 +67,7 @@ def chat(server: ServerProcess, question: str, *, slot: int | None = None, histo
             "chat_template_kwargs": {"enable_thinking": False}}
     if slot is not None:
         body["id_slot"] = slot
-    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return answer(post(server.url, "/v1/chat/completions", body, timeout=300))
 
 
 def text_of(response: dict) -> str:
@@ -90,9 +91,8 @@ FLAG_SETS = {
 def test_slot_save_and_restore_work_in_every_kv_mode(mode: str, served, tmp_path: Path):
     path, _, flags, env = served
     mode_flags = [flag.replace("{tmp}", str(tmp_path)) for flag in FLAG_SETS[mode]]
-    server = ServerProcess(path, *flags, *mode_flags, "--max-context", "1024", "--files-dir", str(tmp_path / "files"),
-                           log_path=tmp_path / "server.log", env=env)
-    try:
+    with ServerProcess(path, *flags, *mode_flags, "--max-context", "1024", "--files-dir", str(tmp_path / "files"),
+                       log_path=tmp_path / "server.log", env=env) as server:
         first = chat(server, QUESTIONS[0], slot=0)
         saved = httpx.post(f"{server.url}/slots/0/save", json={}, timeout=60)
         assert saved.status_code == 200, saved.text
@@ -111,8 +111,6 @@ def test_slot_save_and_restore_work_in_every_kv_mode(mode: str, served, tmp_path
         assert text_of(on_restored) == text_of(on_original)
         assert cached_of(on_restored) > 0             # the restored prefix is served from the restored blocks
         assert httpx.get(f"{server.url}/health").status_code == 200
-    finally:
-        assert server.stop() == 0, server.log_text()
 
 
 def read_cache_header(path: Path) -> dict:
@@ -127,42 +125,36 @@ def test_prefix_cache_file_survives_a_restart(served, tmp_path: Path):
     cache_dir = tmp_path / "cache-dir" / "nested"          # created by the server
     cache_flags = [*flags, "--max-context", "2048", "--prefix-cache-file", str(cache_dir / "pc")]
     cache_file = cache_dir / f"pc.{model_id.replace('/', '--')}"
-    server = ServerProcess(path, *cache_flags, "--prefix-cache-save-interval", "1", log_path=tmp_path / "first.log",
-                           env=env)
-    try:
+    with ServerProcess(path, *cache_flags, "--prefix-cache-save-interval", "1", log_path=tmp_path / "first.log",
+                       env=env) as server:
         answers = [text_of(chat(server, q)) for q in QUESTIONS[:3]]
         deadline = time.monotonic() + 30
         while not cache_file.is_file() and time.monotonic() < deadline:   # the periodic save
             time.sleep(0.2)
         assert cache_file.is_file(), server.log_text()
-    finally:
-        assert server.stop() == 0, server.log_text()
     assert "Prefix cache: saved" in (tmp_path / "first.log").read_text()
     header = read_cache_header(cache_file)
     assert header["n_blocks"] > 0
-    restarted = ServerProcess(path, *cache_flags, log_path=tmp_path / "second.log", env=env)
-    try:
+    with ServerProcess(path, *cache_flags, log_path=tmp_path / "second.log", env=env) as restarted:
         first = chat(restarted, QUESTIONS[2])
         match = re.search(r"warmed (\d+) blocks", restarted.log_text())
         assert match and int(match.group(1)) > 0, restarted.log_text()
         assert cached_of(first) >= 0.9 * shared_prefix_tokens(restarted)
         assert text_of(first) == answers[2]
-    finally:
-        assert restarted.stop() == 0, restarted.log_text()
 
 
 def test_corrupt_or_foreign_cache_files_mean_a_cold_start(served, tmp_path: Path):
     path, model_id, flags, env = served
-    cache_file = tmp_path / f"pc.{model_id.replace('/', '--')}"
-    for content in (b"BPXC" + b"\x01\x00\x00\x00" + b"\xff" * 40, b"garbage", b""):
-        cache_file.write_bytes(content)
-        server = ServerProcess(path, *flags, "--prefix-cache-file", str(tmp_path / "pc"),
-                               log_path=tmp_path / "server.log", env=env)
-        try:
+    contents = (b"BPXC" + b"\x01\x00\x00\x00" + b"\xff" * 40, b"garbage", b"")
+    for i, content in enumerate(contents):
+        (tmp_path / f"pc{i}.{model_id.replace('/', '--')}").write_bytes(content)
+    # One server per file, started together.
+    starts = [partial(ServerProcess, path, *flags, "--prefix-cache-file", str(tmp_path / f"pc{i}"),
+                      log_path=tmp_path / f"server-{i}.log", env=env) for i in range(len(contents))]
+    with ExitStack() as stack:
+        for server in [stack.enter_context(server) for server in start_servers(*starts)]:
             assert "WARNING" in server.log_text() and "starting cold" in server.log_text()
             assert cached_of(chat(server, QUESTIONS[0])) == 0
-        finally:
-            assert server.stop() == 0, server.log_text()
 
 
 def shared_prefix_tokens(server: ServerProcess, system: str = SHARED_SYSTEM) -> int:
@@ -175,14 +167,11 @@ def test_shared_prefix_is_computed_once(served, tmp_path: Path):
     # The tiny hybrid computes a short prefix in a few milliseconds: give it about 4,000 tokens, so the
     # comparison is about prefill and not about per-request overhead.
     system = SHARED_SYSTEM if "smollm2" in model_id else system_prompt(170)
-    server = ServerProcess(path, *flags, "--max-context", "8192", "--prefix-cache", "--continuous-batching", "4",
-                           log_path=tmp_path / "server.log", env=env)
-    try:
+    with ServerProcess(path, *flags, "--max-context", "8192", "--prefix-cache", "--continuous-batching", "4",
+                       log_path=tmp_path / "server.log", env=env) as server:
         shared = shared_prefix_tokens(server, system)
         results = [chat(server, q, system=system) for q in QUESTIONS]
         metrics = httpx.get(f"{server.url}/metrics").text
-    finally:
-        assert server.stop() == 0, server.log_text()
     # Counted, not timed: a request computes only the prompt tokens the cache did not hold.
     computed = [r["timings"]["prompt_n"] for r in results]
     assert computed[0] == results[0]["usage"]["prompt_tokens"]
@@ -198,9 +187,8 @@ def test_shared_prefix_is_computed_once(served, tmp_path: Path):
 
 def test_slot_admin_runs_between_steps_while_other_slots_generate(served, tmp_path: Path):
     path, _, flags, env = served
-    server = ServerProcess(path, *flags, "--max-context", "1024", "--continuous-batching", "2", "--prefix-cache",
-                           "--files-dir", str(tmp_path / "files"), log_path=tmp_path / "server.log", env=env)
-    try:
+    with ServerProcess(path, *flags, "--max-context", "1024", "--continuous-batching", "2", "--prefix-cache",
+                       "--files-dir", str(tmp_path / "files"), log_path=tmp_path / "server.log", env=env) as server:
         alone = text_of(chat(server, QUESTIONS[3], slot=1, max_tokens=400, ignore_eos=True))
         chat(server, QUESTIONS[0], slot=0)
         body = {"messages": [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": QUESTIONS[3]}],
@@ -226,5 +214,3 @@ def test_slot_admin_runs_between_steps_while_other_slots_generate(served, tmp_pa
                         assert httpx.get(f"{server.url}/slots").json()[0]["cache_tokens"] == 0
         assert admin == [200, 200, 200]
         assert "".join(pieces) == alone
-    finally:
-        assert server.stop() == 0, server.log_text()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from basert.engine.engine import common_prefix
 from basert.engine.kv import BLOCK_SIZE, BlockPool, BlockTable, OutOfBlocksError
 from basert.engine.prefix_cache import ROOT_KEY, PrefixCache
 from basert.engine.sequence import RecurrentState
+from basert.engine.slots import common_prefix
 
 
 def tokens(start: int, n_blocks: int) -> list[int]:

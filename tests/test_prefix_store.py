@@ -7,17 +7,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_engine_lanes import make_engine, request, run
+from test_engine_slots import make_engine, request, run
 from test_saves_killed import DISK_ERROR, storage_error_message
 
 from basert.engine.kv import BLOCK_SIZE
 from basert.engine.prefix_cache import PrefixCache
-from basert.engine.prefix_store import PrefixCacheFileError, load_prefix_cache, prefix_cache_file, save_prefix_cache
 from basert.engine.runner import ModelRunner
+from basert.engine.saved_state import PrefixCacheFileError, load_prefix_cache, prefix_cache_file, save_prefix_cache
 
 
 def filled_engine(path: Path):
-    engine = make_engine(path, lanes=1, cache=True)
+    engine = make_engine(path, slots=1, cache=True)
     prompt = np.random.default_rng(3).integers(0, engine.runner.vocab_size, 70).tolist()
     run(engine, [[request("a", prompt, segment_ends=(40,))]])
     return engine, prompt
@@ -111,7 +111,7 @@ def test_a_save_that_hits_a_disk_error_raises_storage_error_and_keeps_the_previo
     before = path.read_bytes()
     message = storage_error_message(len(before) // 2, """
         from pathlib import Path
-        from basert.engine.prefix_store import save_prefix_cache
+        from basert.engine.saved_state import save_prefix_cache
         from test_prefix_store import filled_engine
         engine, _ = filled_engine(Path(sys.argv[1]))
         save_prefix_cache(engine.runner, engine.prefix_cache, Path(sys.argv[2]))

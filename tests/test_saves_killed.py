@@ -69,10 +69,10 @@ def test_a_slot_save_that_hits_a_disk_error_raises_storage_error_and_leaves_no_t
     # The snapshot (75 tokens of KV and the recurrent states) is far larger than 16 KiB.
     message = storage_error_message(16384, """
         from pathlib import Path
-        from basert.engine.snapshot import save_lane
+        from basert.engine.saved_state import save_slot
         from test_prefix_store import filled_engine
         engine, _ = filled_engine(Path(sys.argv[1]))
-        save_lane(engine.runner, engine.lanes[0], Path(sys.argv[2]))
+        save_slot(engine.runner, engine.slots[0], Path(sys.argv[2]))
     """, str(tiny_f32_bases["qwen3_5-tiny"]), str(tmp_path / "slot0.bin"))
     assert message == f"slot save {DISK_ERROR}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.bin"]

@@ -10,41 +10,22 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, SMOLLM2_API_FLAGS
 
-from basert.server.launcher import ServerProcess
+from basert.testing.client import error_envelope, post, sse_events
+from basert.testing.launcher import ServerProcess
+from basert.testing.pool import ServerPool
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("server")
-    proc = ServerProcess(smollm2_base, "--max-context", "512", "--files-dir", str(root / "files"),
-                         "--slot-save-path", str(root / "slots"), "--max-body-bytes", "200000",
-                         "--threads", "2", log_path=root / "server.log")
-    proc.root = root
-    yield proc
-    assert proc.stop() == 0, proc.log_text()
+def server(smollm2_base: Path, server_pool: ServerPool) -> ServerProcess:
+    return server_pool.get(smollm2_base, *SMOLLM2_API_FLAGS)
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
     data = json.loads((FIXTURES / "smollm2" / "reference.json").read_text())
     return {p["name"]: p for p in data["prompts"]}
-
-
-def post(server: ServerProcess, path: str, body, **kwargs) -> httpx.Response:
-    if isinstance(body, (bytes, str)):
-        return httpx.post(server.url + path, content=body, timeout=120, **kwargs)
-    return httpx.post(server.url + path, json=body, timeout=120, **kwargs)
-
-
-def sse_events(response: httpx.Response) -> list:
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            payload = line[6:]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 def test_health_models_tokenize(server: ServerProcess, reference: dict):
@@ -55,30 +36,30 @@ def test_health_models_tokenize(server: ServerProcess, reference: dict):
     model_id = models["data"][0]["id"]
     assert httpx.get(f"{server.url}/v1/models/{model_id}").json()["id"] == model_id
     capital = reference["capital"]
-    tokens = post(server, "/v1/tokenize", {"content": capital["text"]}).json()["tokens"]
+    tokens = post(server.url, "/v1/tokenize", {"content": capital["text"]}).json()["tokens"]
     assert tokens == capital["input_ids"]
-    pieces = post(server, "/v1/tokenize", {"content": "Hello world", "with_pieces": True}).json()["tokens"]
+    pieces = post(server.url, "/v1/tokenize", {"content": "Hello world", "with_pieces": True}).json()["tokens"]
     assert "".join(p["piece"] for p in pieces) == "Hello world"
-    assert post(server, "/v1/detokenize", {"tokens": tokens}).json()["content"] == capital["text"]
+    assert post(server.url, "/v1/detokenize", {"tokens": tokens}).json()["content"] == capital["text"]
 
 
 def test_completion_matches_reference_greedy(server: ServerProcess, reference: dict):
     capital = reference["capital"]
     body = {"prompt": capital["text"], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    result = post(server, "/v1/completions", body).json()
-    ids = post(server, "/v1/tokenize", {"content": result["choices"][0]["text"]}).json()["tokens"]
+    result = post(server.url, "/v1/completions", body).json()
+    ids = post(server.url, "/v1/tokenize", {"content": result["choices"][0]["text"]}).json()["tokens"]
     assert ids == capital["greedy"][: len(ids)]
     assert result["usage"]["prompt_tokens"] == len(capital["input_ids"])
     assert result["usage"]["completion_tokens"] == 16
     assert set(result["timings"]) >= {"prompt_n", "prompt_ms", "predicted_n", "predicted_per_second", "cache_n"}
-    by_ids = post(server, "/v1/completions", {**body, "prompt": capital["input_ids"]}).json()
+    by_ids = post(server.url, "/v1/completions", {**body, "prompt": capital["input_ids"]}).json()
     assert by_ids["choices"][0]["text"] == result["choices"][0]["text"]
     assert by_ids["usage"]["prompt_tokens_details"]["cached_tokens"] == len(capital["input_ids"]) - 1
-    echoed = post(server, "/v1/completions", {**body, "echo": True, "max_tokens": 4}).json()
+    echoed = post(server.url, "/v1/completions", {**body, "echo": True, "max_tokens": 4}).json()
     assert echoed["choices"][0]["text"].startswith(capital["text"])
     full_text = result["choices"][0]["text"]
     stop = full_text[len(full_text) // 2: len(full_text) // 2 + 3]
-    stopped = post(server, "/v1/completions", {**body, "stop": [stop]}).json()
+    stopped = post(server.url, "/v1/completions", {**body, "stop": [stop]}).json()
     assert stopped["choices"][0]["text"] == full_text[: full_text.index(stop)]
     assert stopped["choices"][0]["finish_reason"] == "stop"
 
@@ -87,7 +68,7 @@ def test_chat_stream_and_non_stream_give_the_same_text(server: ServerProcess):
     body = {"messages": [{"role": "system", "content": "You are terse."},
                          {"role": "user", "content": "Name three colors."}],
             "max_tokens": 24, "temperature": 0}
-    whole = post(server, "/v1/chat/completions", body).json()
+    whole = post(server.url, "/v1/chat/completions", body).json()
     text = whole["choices"][0]["message"]["content"]
     assert text and whole["object"] == "chat.completion"
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
@@ -103,8 +84,8 @@ def test_chat_stream_and_non_stream_give_the_same_text(server: ServerProcess):
 
 def test_n_choices_and_seeded_sampling(server: ServerProcess):
     body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2}
-    first = post(server, "/v1/completions", body).json()
-    second = post(server, "/v1/completions", body).json()
+    first = post(server.url, "/v1/completions", body).json()
+    second = post(server.url, "/v1/completions", body).json()
     assert [c["text"] for c in first["choices"]] == [c["text"] for c in second["choices"]]
     assert [c["index"] for c in first["choices"]] == [0, 1]
 
@@ -130,51 +111,45 @@ def test_openai_client(server: ServerProcess):
     assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def error_of(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body["error"]) >= {"message", "type", "param", "code"}
-    return body["error"]
-
-
 def test_bad_requests_get_their_envelope_and_the_server_stays_up(server: ServerProcess):
     chat = "/v1/chat/completions"
-    r = post(server, chat, b"{not json")
-    assert r.status_code == 400 and error_of(r)["type"] == "invalid_request_error"
-    r = post(server, chat, {"messages": []})
-    assert r.status_code == 400 and error_of(r)["param"] == "messages"
-    r = post(server, chat, {"messages": [{"role": "user", "content": "hi"}], "temperature": 7})
-    assert r.status_code == 400 and error_of(r)["param"] == "temperature"
-    r = post(server, chat, {"model": "no/such-model", "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
-    r = post(server, "/v1/completions", {"prompt": "word " * 600})
-    error = error_of(r)
-    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    r = post(server.url, chat, b"{not json")
+    assert error_envelope(r, 400)["type"] == "invalid_request_error"
+    r = post(server.url, chat, {"messages": []})
+    assert error_envelope(r, 400)["param"] == "messages"
+    r = post(server.url, chat, {"messages": [{"role": "user", "content": "hi"}], "temperature": 7})
+    assert error_envelope(r, 400)["param"] == "temperature"
+    r = post(server.url, chat, {"model": "no/such-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert error_envelope(r, 404)["code"] == "model_not_found"
+    r = post(server.url, "/v1/completions", {"prompt": "word " * 600})
+    error = error_envelope(r, 400)
+    assert error["code"] == "context_length_exceeded"
     assert error["n_ctx"] == 512 and error["n_prompt_tokens"] > 512
-    r = post(server, "/v1/completions", {"prompt": "x" * 300000})
-    assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
+    r = post(server.url, "/v1/completions", {"prompt": "x" * 300000})
+    assert error_envelope(r, 413)["code"] == "request_too_large"
     r = httpx.get(server.url + "/v2/nothing")
-    assert r.status_code == 404 and error_of(r)["code"] == "route_not_found"
-    r = post(server, "/v1/completions", {"prompt": [10**9]})
+    assert error_envelope(r, 404)["code"] == "route_not_found"
+    r = post(server.url, "/v1/completions", {"prompt": [10**9]})
     assert r.status_code == 400
-    r = post(server, "/v1/detokenize", {"tokens": [-1]})
+    r = post(server.url, "/v1/detokenize", {"tokens": [-1]})
     assert r.status_code == 400
-    r = post(server, chat, {"messages": [{"role": "wizard", "content": "hi"}]})
+    r = post(server.url, chat, {"messages": [{"role": "wizard", "content": "hi"}]})
     assert r.status_code == 400
     assert httpx.get(server.url + "/health").status_code == 200
 
 
 def test_slot_save_erase_restore_reproduces_the_request(server: ServerProcess):
     body = {"prompt": "The three primary colors are", "max_tokens": 10, "temperature": 0}
-    first = post(server, "/v1/completions", body).json()
-    saved = post(server, "/slots/0/save", {})
+    first = post(server.url, "/v1/completions", body).json()
+    saved = post(server.url, "/slots/0/save", {})
     assert saved.status_code == 200, saved.text
     saved = saved.json()
     assert saved["file_id"].startswith("file-") and saved["n_saved"] > 0
-    assert post(server, "/slots/0/erase", {}).json()["n_erased"] == saved["n_saved"]
+    assert post(server.url, "/slots/0/erase", {}).json()["n_erased"] == saved["n_saved"]
     assert httpx.get(server.url + "/slots").json()[0]["cache_tokens"] == 0
-    restored = post(server, "/slots/0/restore", {"file_id": saved["file_id"]}).json()
+    restored = post(server.url, "/slots/0/restore", {"file_id": saved["file_id"]}).json()
     assert restored["n_restored"] == saved["n_saved"]
-    again = post(server, "/v1/completions", body).json()
+    again = post(server.url, "/v1/completions", body).json()
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] - 1
     listed = httpx.get(server.url + "/v1/files").json()["data"]
@@ -182,30 +157,33 @@ def test_slot_save_erase_restore_reproduces_the_request(server: ServerProcess):
 
 
 def test_slot_errors(server: ServerProcess):
-    r = post(server, "/slots/7/save", {})
-    assert r.status_code == 404 and error_of(r)["code"] == "slot_not_found"
-    r = post(server, "/slots/abc/erase", {})
+    r = post(server.url, "/slots/7/save", {})
+    assert error_envelope(r, 404)["code"] == "slot_not_found"
+    r = post(server.url, "/slots/abc/erase", {})
     assert r.status_code == 400
     garbage = httpx.post(server.url + "/v1/files", files={"file": ("junk.bin", b"BSLT" + os.urandom(200))},
                          data={"purpose": "slot_snapshot"}).json()
-    r = post(server, "/slots/0/restore", {"file_id": garbage["id"]})
+    # A restore that fails leaves the slot empty, not half restored: fill it first.
+    post(server.url, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert httpx.get(server.url + "/slots").json()[0]["cache_tokens"] > 0
+    r = post(server.url, "/slots/0/restore", {"file_id": garbage["id"]})
     assert r.status_code == 400
     assert httpx.get(server.url + "/slots").json()[0]["cache_tokens"] == 0
-    r = post(server, "/slots/0/restore", {"file_id": "file-" + "0" * 24})
-    assert r.status_code == 404 and error_of(r)["code"] == "file_not_found"
+    r = post(server.url, "/slots/0/restore", {"file_id": "file-" + "0" * 24})
+    assert error_envelope(r, 404)["code"] == "file_not_found"
     slots_dir = server.root / "slots"
     outside = server.root / "outside.bin"
     outside.write_bytes(b"x")
     (slots_dir / "link.bin").symlink_to(outside)
     for name in ("../x", "a/b", "link.bin", ".."):
-        r = post(server, "/slots/0?action=save", {"filename": name})
+        r = post(server.url, "/slots/0?action=save", {"filename": name})
         assert r.status_code == 400, name
-    r = post(server, "/slots/0?action=jump", {"filename": "ok.bin"})
+    r = post(server.url, "/slots/0?action=jump", {"filename": "ok.bin"})
     assert r.status_code == 400
-    post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
-    saved = post(server, "/slots/0?action=save", {"filename": "ok.bin"}).json()
+    post(server.url, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    saved = post(server.url, "/slots/0?action=save", {"filename": "ok.bin"}).json()
     assert saved["n_saved"] > 0 and (slots_dir / "ok.bin").is_file()
-    restored = post(server, "/slots/0?action=restore", {"filename": "ok.bin"}).json()
+    restored = post(server.url, "/slots/0?action=restore", {"filename": "ok.bin"}).json()
     assert restored["n_restored"] == saved["n_saved"]
     assert httpx.get(server.url + "/health").status_code == 200
 
@@ -226,27 +204,12 @@ def test_client_disconnect_frees_the_slot(server: ServerProcess):
 
 
 def test_metrics_and_access_log(server: ServerProcess):
+    post(server.url, "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0})
     text = httpx.get(server.url + "/metrics").text
     assert 'basert_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert "basert_generated_tokens_total" in text
     assert "basert_busy_slots" in text
     assert "POST /v1/completions 200 model=" in server.log_text()
-
-
-def test_api_keys(smollm2_base: Path, tmp_path: Path):
-    keyfile = tmp_path / "keys"
-    keyfile.write_text("second-key\n")
-    proc = ServerProcess(smollm2_base, "--max-context", "256", "--api-key", "first-key", "--api-key-file",
-                         str(keyfile), log_path=tmp_path / "log")
-    try:
-        assert httpx.get(proc.url + "/health").status_code == 200
-        r = httpx.get(proc.url + "/v1/models")
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.get(proc.url + "/v1/models", headers={"Authorization": "Bearer first-key"}).status_code == 200
-        assert httpx.get(proc.url + "/v1/models", headers={"X-Api-Key": "second-key"}).status_code == 200
-        assert httpx.get(proc.url + "/slots", headers={"X-Api-Key": "wrong"}).status_code == 401
-    finally:
-        assert proc.stop() == 0
 
 
 def test_slots_cli(server: ServerProcess):
@@ -257,7 +220,7 @@ def test_slots_cli(server: ServerProcess):
         return subprocess.run([sys.executable, "-m", "basert", "slots", *args, "--url", server.url],
                               capture_output=True, text=True, timeout=120)
 
-    post(server, "/v1/completions", {"prompt": "Hi there", "max_tokens": 2, "temperature": 0})
+    post(server.url, "/v1/completions", {"prompt": "Hi there", "max_tokens": 2, "temperature": 0})
     listing = run("list")
     assert listing.returncode == 0 and "TOKENS" in listing.stdout
     saved = run("save", "0")
@@ -279,7 +242,7 @@ LOOKUP_TOOL = {"type": "function", "function": {"name": "lookup_key", "descripti
 def test_forced_tool_call_streams_the_same_call(server: ServerProcess):
     body = {"messages": [{"role": "user", "content": "Call lookup_key with key seq-7."}], "tools": [LOOKUP_TOOL],
             "tool_choice": "required", "temperature": 0, "max_tokens": 64}
-    whole = post(server, "/v1/chat/completions", body).json()
+    whole = post(server.url, "/v1/chat/completions", body).json()
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls", whole
     call = choice["message"]["tool_calls"][0]
@@ -325,9 +288,8 @@ def test_files_endpoints(server: ServerProcess):
 
 
 def test_request_timeout_ends_with_length(smollm2_base: Path, tmp_path: Path):
-    proc = ServerProcess(smollm2_base, "--max-context", "512", "--request-timeout", "150",
-                         log_path=tmp_path / "log")
-    try:
+    with ServerProcess(smollm2_base, "--max-context", "512", "--request-timeout", "150",
+                       log_path=tmp_path / "log") as proc:
         result = httpx.post(proc.url + "/v1/completions", timeout=120,
                             json={"prompt": "Tell a story", "max_tokens": 400, "temperature": 0,
                                   "ignore_eos": True}).json()
@@ -335,5 +297,3 @@ def test_request_timeout_ends_with_length(smollm2_base: Path, tmp_path: Path):
         assert 0 < result["usage"]["completion_tokens"] < 400
         time.sleep(0.2)
         assert "timed_out" in proc.log_text()
-    finally:
-        assert proc.stop() == 0

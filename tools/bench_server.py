@@ -49,7 +49,7 @@ import trio
 
 from basert import __version__
 from basert.cli.generate import model_path_for
-from basert.server.launcher import ServerProcess
+from basert.testing.launcher import ServerProcess
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,9 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
+from basert.testing.health import HealthLog, poll_health
+from basert.testing.launcher import ServerProcess
+
 FAILURE_KINDS = ("5xx", "hang", "envelope", "leak", "bad_json", "stream_error", "retry_after", "no_response",
                  "keepalive", "health", "busy_slot", "dead")
 FILE_ID = "@FILE_ID@"              # replaced at send time by the id of a file this run uploaded
@@ -957,10 +960,7 @@ class RunState:
     statuses: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     problems: list[Problem] = field(default_factory=list)
     file_ids: list[str] = field(default_factory=list)
-    health_max_s: float = 0.0
-    health_polls: int = 0
-    health_failures: list[str] = field(default_factory=list)
-    frozen: bool = False
+    health: HealthLog = field(default_factory=lambda: HealthLog(HEALTH_LIMIT_S))
     sent: int = 0
     reported: int = 0
     client_refused: int = 0
@@ -1185,31 +1185,11 @@ def sse_payloads(body: bytes, complete: bool) -> list[str]:
 
 # --- the run ------------------------------------------------------------------------------------
 
-async def poll_health(target: Target, state: RunState, done: trio.Event, workers: trio.CancelScope) -> None:
+async def watch_health(target: Target, state: RunState, done: trio.Event, workers: trio.CancelScope) -> None:
     """GET /health every 0.5 s; a server silent for FREEZE_AFTER_S is frozen and the run stops."""
-    last_ok = time.monotonic()
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        while not done.is_set():
-            start = time.monotonic()
-            try:
-                response = await client.get(f"{target.url}/health")
-                ok, what = response.status_code == 200, f"status {response.status_code}"
-            except httpx.HTTPError as exc:
-                ok, what = False, f"{type(exc).__name__}"
-            elapsed = time.monotonic() - start
-            state.health_polls += 1
-            state.health_max_s = max(state.health_max_s, elapsed)
-            at = start - state.started
-            if not ok or elapsed > HEALTH_LIMIT_S:
-                state.health_failures.append(f"t={at:.1f}s {what} in {elapsed:.2f}s")
-            if ok:
-                last_ok = time.monotonic()
-            elif time.monotonic() - last_ok > FREEZE_AFTER_S:
-                state.frozen = True
-                workers.cancel()
-                return
-            with trio.move_on_after(max(0.0, 0.5 - elapsed)):
-                await done.wait()
+    await poll_health(target.url, state.health, done, request_timeout_s=5.0, freeze_after_s=FREEZE_AFTER_S)
+    if state.health.frozen:
+        workers.cancel()
 
 
 async def run_probes(target: Target, probes: list[Probe], concurrency: int, timeout: float, state: RunState,
@@ -1282,7 +1262,7 @@ async def run_probes(target: Target, probes: list[Probe], concurrency: int, time
 
     async with trio.open_nursery() as nursery:
         with trio.CancelScope() as workers:
-            nursery.start_soon(poll_health, target, state, done, workers)
+            nursery.start_soon(watch_health, target, state, done, workers)
             async with trio.open_nursery() as pool:
                 for _ in range(max(1, concurrency)):
                     pool.start_soon(worker, receive.clone())
@@ -1306,7 +1286,7 @@ def final_checks(target: Target, state: RunState, process_alive: Callable[[], bo
     if not alive:
         state.problems.append(Problem("dead", Probe(-1, "-", "GET", "/health"), None,
                                       "the server does not answer /health at the end" +
-                                      (" (frozen during the run)" if state.frozen else "")))
+                                      (" (frozen during the run)" if state.health.frozen else "")))
         return False
     deadline = time.monotonic() + 10
     busy: list = []
@@ -1327,7 +1307,7 @@ def final_checks(target: Target, state: RunState, process_alive: Callable[[], bo
 
 def summarize(target: Target, state: RunState, probes: list[Probe], alive: bool, args: dict) -> dict:
     counts = Counter(p.kind for p in state.problems)
-    counts["health"] += len(state.health_failures)
+    counts["health"] += len(state.health.failures)
     by_kind: dict[str, list] = defaultdict(list)
     for p in state.problems:
         by_kind[p.kind].append({**p.probe.describe(), "status": p.status, "detail": p.detail})
@@ -1339,10 +1319,9 @@ def summarize(target: Target, state: RunState, probes: list[Probe], alive: bool,
         "elapsed_s": round(time.monotonic() - state.started, 1),
         "endpoints": {k: dict(sorted(v.items())) for k, v in sorted(state.statuses.items())},
         "counts": {kind: counts.get(kind, 0) for kind in FAILURE_KINDS},
-        "health": {"polls": state.health_polls, "max_latency_s": round(state.health_max_s, 3),
-                   "failures": state.health_failures[:50]},
+        "health": state.health.summary(keep=50),
         "hangs_answered_late": sum(1 for p in state.problems if p.kind == "hang" and p.detail.startswith("answered")),
-        "frozen": state.frozen, "alive": alive,
+        "frozen": state.health.frozen, "alive": alive,
         "problems": {kind: items for kind, items in by_kind.items()},
         "log": sorted(state.log, key=lambda line: line["index"]),
         "failed": any(counts.get(kind, 0) for kind in FAILURE_KINDS),
@@ -1409,8 +1388,6 @@ def served(url: str | None, model: str | None, serve_args: str, body_limit: int 
     if url:
         yield url, None, body_limit or 32 * 1024 * 1024
         return
-    from basert.server.launcher import ServerProcess
-
     flags = shlex.split(serve_args)
     with tempfile.TemporaryDirectory(prefix="basert-fuzz-") as tmp:
         root = Path(tmp)

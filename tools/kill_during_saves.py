@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from basert.server.launcher import ServerProcess
+from basert.testing.launcher import ServerProcess
 
 TARGETS = ("cache", "files", "slots")
 # About 210 tokens (13 prefix cache blocks), computed in the first run and served from the cache after.

@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 import trio
 
+from basert.testing.health import HealthLog, poll_health
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fuzz_server import envelope_problem, served, strict_json
 
@@ -51,9 +53,7 @@ class LoadState:
     malformed: list[str] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
-    health_polls: int = 0
-    health_max_s: float = 0.0
-    health_failures: list[str] = field(default_factory=list)
+    health: HealthLog = field(default_factory=lambda: HealthLog(HEALTH_LIMIT_S))
     rss_samples: list[int] = field(default_factory=list)
 
 
@@ -182,26 +182,15 @@ async def client_loop(index: int, client: httpx.AsyncClient, deadline: float, ar
         await trio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
 
 
-async def poll_health(url: str, state: LoadState, done: trio.Event, pid: int | None) -> None:
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        while not done.is_set():
-            start = time.monotonic()
-            try:
-                response = await client.get(f"{url}/health")
-                ok, what = response.status_code == 200, f"status {response.status_code}"
-            except httpx.HTTPError as exc:
-                ok, what = False, type(exc).__name__
-            elapsed = time.monotonic() - start
-            state.health_polls += 1
-            state.health_max_s = max(state.health_max_s, elapsed)
-            if not ok or elapsed > HEALTH_LIMIT_S:
-                state.health_failures.append(f"{what} in {elapsed:.2f} s")
-            if pid is not None:
-                rss = read_proc_status(pid).get("VmRSS")
-                if rss:
-                    state.rss_samples.append(rss)
-            with trio.move_on_after(max(0.0, 0.5 - elapsed)):
-                await done.wait()
+async def watch_health(url: str, state: LoadState, done: trio.Event, pid: int | None) -> None:
+    """GET /health every 0.5 s, sampling the server's RSS after each poll."""
+
+    def sample_rss() -> None:
+        rss = read_proc_status(pid).get("VmRSS") if pid is not None else None
+        if rss:
+            state.rss_samples.append(rss)
+
+    await poll_health(url, state.health, done, request_timeout_s=10.0, after_poll=sample_rss)
 
 
 async def run_load(url: str, args: argparse.Namespace, state: LoadState, pid: int | None) -> None:
@@ -209,7 +198,7 @@ async def run_load(url: str, args: argparse.Namespace, state: LoadState, pid: in
     limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(poll_health, url, state, done, pid)
+            nursery.start_soon(watch_health, url, state, done, pid)
             deadline = time.monotonic() + args.seconds
             async with trio.open_nursery() as clients:
                 for i in range(args.clients):
@@ -289,8 +278,7 @@ def main() -> int:
         "ttft_s": {"p50": percentile(state.ttfts, 0.5), "p99": percentile(state.ttfts, 0.99)},
         "refusals": state.refusals, "refusals_without_retry_after": state.refusals_without_retry_after,
         "malformed": len(state.malformed), "malformed_examples": state.malformed[:10],
-        "health": {"polls": state.health_polls, "max_latency_s": round(state.health_max_s, 3),
-                   "failures": state.health_failures[:20]},
+        "health": state.health.summary(keep=20),
         "rss_bytes": {"before": before, "peak_hwm": peak, "max_sampled": max(state.rss_samples, default=None),
                       "after": after, "growth": growth},
         "busy_slots_after": busy, "alive": alive,
@@ -300,8 +288,8 @@ def main() -> int:
         failures.append(f"{len(state.malformed)} malformed responses")
     if state.refusals_without_retry_after:
         failures.append(f"{state.refusals_without_retry_after} refusals without Retry-After")
-    if state.health_failures:
-        failures.append(f"/health over {HEALTH_LIMIT_S:.0f} s or failed {len(state.health_failures)} times")
+    if state.health.failures:
+        failures.append(f"/health over {HEALTH_LIMIT_S:.0f} s or failed {len(state.health.failures)} times")
     if busy:
         failures.append(f"slots still processing after the run: {json.dumps(busy)[:200]}")
     if growth is not None and growth > RSS_GROWTH_LIMIT:
@@ -319,8 +307,8 @@ def main() -> int:
           f"TTFT p50 {ms(result['ttft_s']['p50'])}, p99 {ms(result['ttft_s']['p99'])}")
     print(f"refusals  {state.refusals} (503/429), without Retry-After {state.refusals_without_retry_after}; "
           f"malformed {len(state.malformed)}")
-    print(f"/health   {state.health_polls} polls, max {state.health_max_s:.3f} s, "
-          f"{len(state.health_failures)} over {HEALTH_LIMIT_S:.0f} s or failed")
+    print(f"/health   {state.health.polls} polls, max {state.health.max_s:.3f} s, "
+          f"{len(state.health.failures)} over {HEALTH_LIMIT_S:.0f} s or failed")
     print(f"RSS       before {mib(before)}, peak {mib(peak)} (VmHWM), after {mib(after)}, "
           f"growth {mib(growth)}" if pid else "RSS       not measured (pass --pid for a --url server)")
     print(f"slots     {'all idle' if not busy else json.dumps(busy)[:300]} after the run")

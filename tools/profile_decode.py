@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from basert.cli.generate import model_path_for
-from basert.engine.runner import ForwardRequest, ModelRunner
+from basert.engine import EngineOptions, build_engine
 
 
 def main() -> int:
@@ -23,16 +23,13 @@ def main() -> int:
     parser.add_argument("--threads", "-t", type=int)
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
-    runner = ModelRunner(model_path_for(args.model), max_context=args.n + 16, threads=args.threads,
-                         kv_dtype=np.float16)
-    seq = runner.new_sequence()
+    engine = build_engine(model_path_for(args.model), EngineOptions(max_context=args.n + 16, threads=args.threads))
     token = 1
-    runner.forward([ForwardRequest(seq, [token])])  # warm the workspaces
+    engine.decode(token)  # warm the workspaces
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.n):
-        logits = runner.forward([ForwardRequest(seq, [token])])[0]
-        token = int(np.argmax(logits[0]))
+        token = int(np.argmax(engine.decode(token)))
     profiler.disable()
     stats = pstats.Stats(profiler)
     total = stats.total_tt

@@ -1,7 +1,7 @@
 """ModelActor: the one trio task that owns a model's engine.
 
 HTTP handlers send messages to its mailbox and await replies on their own channel. The actor
-admits queued requests into free lanes, runs `Engine.step` in a worker thread while the event
+admits queued requests into free slots, runs `Engine.step` in a worker thread while the event
 loop keeps serving, relays the events, and handles admin messages between steps, so nothing
 ever races a forward. A failing step fails only the requests in it; the actor keeps running.
 """
@@ -20,8 +20,6 @@ import trio
 from basert.actor.messages import (
     CacheSave,
     Cancel,
-    Done,
-    Failed,
     Generate,
     Message,
     SlotErase,
@@ -29,42 +27,49 @@ from basert.actor.messages import (
     SlotRestore,
     SlotSave,
     Stats,
-    Tokens,
 )
-from basert.actor.scheduler import DEFAULT_TOKEN_BUDGET, plan_step
-from basert.engine.engine import Engine, FailEvent, FinishEvent, TokenEvent
-from basert.engine.prefix_store import PrefixCacheFileError, load_prefix_cache, save_prefix_cache
-from basert.engine.snapshot import restore_lane, save_lane
+from basert.engine.engine import Engine
+from basert.engine.saved_state import PrefixCacheFileError
+from basert.engine.types import Event, FailEvent, FinishEvent, TokenEvent
+from basert.errors import InvalidRequestError, NotFoundError, UnavailableError
 
 log = logging.getLogger("basert.actor")
 
 
-class SlotNotFoundError(LookupError):
-    """No lane with this id."""
+class SlotNotFoundError(NotFoundError, LookupError):
+    """No slot with this id."""
+
+    code = "slot_not_found"
 
     def __init__(self, slot: int, n_slots: int):
         super().__init__(f"slot {slot} not found (this model has slots 0..{n_slots - 1})")
         self.slot = slot
 
 
-class SlotOutOfRangeError(ValueError):
+class SlotOutOfRangeError(InvalidRequestError, ValueError):
     """A generation asked for a slot the model does not have, so it could never be admitted."""
+
+    param = "id_slot"
 
     def __init__(self, slot: int, n_slots: int):
         super().__init__(f"id_slot {slot} is not a slot of this model (slots 0..{n_slots - 1}, or -1 for any)")
         self.slot = slot
 
 
-class ServerBusyError(RuntimeError):
+class ServerBusyError(UnavailableError, RuntimeError):
     """The model's queue is full: the request was refused without waiting."""
+
+    code = "server_busy"
 
     def __init__(self, max_queued: int, retry_after: int):
         super().__init__(f"the server is busy: {max_queued} requests are already waiting for this model; retry later")
         self.retry_after = retry_after
 
 
-class QueueTimeoutError(RuntimeError):
+class QueueTimeoutError(UnavailableError, RuntimeError):
     """The request waited for a slot longer than the queue allows, and was dropped before it started."""
+
+    code = "queue_timeout"
 
     def __init__(self, waited: float, retry_after: int):
         super().__init__(f"the request waited {waited:.0f} s for a free slot without starting; retry later")
@@ -91,18 +96,14 @@ class SlotOperationResult:
 class ModelActor:
     """Mailbox + engine of one model. Start `run()` in a nursery; stop it by cancelling that scope."""
 
-    def __init__(self, model_id: str, engine: Engine, *, max_running: int = 1,
-                 token_budget: int = DEFAULT_TOKEN_BUDGET, cache_file: Path | None = None,
-                 cache_save_interval: float = 0.0, max_queued: int = 64, queue_timeout: float = 600.0):
-        self.model_id = model_id
+    def __init__(self, engine: Engine, *, cache_save_interval: float = 0.0, max_queued: int = 64,
+                 queue_timeout: float = 600.0):
         self.engine = engine
-        self.max_running = max_running        # lanes generating at once (continuous batching: all of them)
-        self.token_budget = token_budget
-        self.cache_file = cache_file
+        self.info = engine.info
         self.cache_save_interval = cache_save_interval
         self.cache_save_failures = 0
-        self.max_queued = max_queued          # generations waiting for a lane; more are refused at once
-        self.queue_timeout = queue_timeout    # seconds a generation may wait for a lane
+        self.max_queued = max_queued          # generations waiting for a slot; more are refused at once
+        self.queue_timeout = queue_timeout    # seconds a generation may wait for a slot
         self.refused = 0
         self.timed_out_in_queue = 0
         self._next_cache_save = math.inf
@@ -110,16 +111,16 @@ class ModelActor:
         self.waiting: deque[Queued] = deque()
         self.admin: deque[Message] = deque()
         self.replies: dict[str, trio.MemorySendChannel] = {}
-        self.lane_requests: dict[int, str] = {}
+        self.slot_requests: dict[int, str] = {}
         self.steps = 0
 
     # --- the task -----------------------------------------------------------------------------
     @property
     def n_slots(self) -> int:
-        return len(self.engine.lanes)
+        return self.info.n_slots
 
     async def run(self) -> None:
-        if self.cache_file is not None and self.cache_save_interval > 0:
+        if self.engine.prefix_cache_file is not None and self.cache_save_interval > 0:
             self._next_cache_save = trio.current_time() + self.cache_save_interval
         async with self._inbox:
             while True:
@@ -132,8 +133,7 @@ class ModelActor:
                 await self._run_admin()
                 self._admit()
                 if self.engine.has_work:
-                    plan = plan_step(self.engine.prepare_step(), self.engine.available_blocks(), self.token_budget)
-                    events = await trio.to_thread.run_sync(self.engine.step, plan)
+                    events = await trio.to_thread.run_sync(self._step)
                     self.steps += 1
                     self._dispatch(events)
                 else:
@@ -147,6 +147,9 @@ class ModelActor:
                 if trio.current_time() >= self._next_cache_save:
                     await trio.to_thread.run_sync(self.save_prefix_cache)
                     self._next_cache_save = trio.current_time() + self.cache_save_interval
+
+    def _step(self):
+        return self.engine.step(self.engine.plan())
 
     def _handle(self, message: Message) -> None:
         if isinstance(message, Generate):
@@ -162,11 +165,17 @@ class ModelActor:
         self.replies[request_id] = message.reply
         hint = message.slot_hint
         if hint is not None and not 0 <= hint < self.n_slots:
-            self._reply(request_id, Failed(SlotOutOfRangeError(hint, self.n_slots)), final=True)
+            self._reply(request_id, FailEvent(request_id, SlotOutOfRangeError(hint, self.n_slots)), final=True)
+            return
+        try:
+            self.engine.check(message.request)
+        except Exception as exc:
+            self._reply(request_id, FailEvent(request_id, exc), final=True)
             return
         if len(self.waiting) >= self.max_queued:
             self.refused += 1
-            self._reply(request_id, Failed(ServerBusyError(self.max_queued, retry_after=1)), final=True)
+            self._reply(request_id, FailEvent(request_id, ServerBusyError(self.max_queued, retry_after=1)),
+                        final=True)
             return
         now = trio.current_time()
         expires_at = now + self.queue_timeout
@@ -188,8 +197,9 @@ class ModelActor:
         for queued in self.waiting:
             if now >= queued.expires_at:
                 self.timed_out_in_queue += 1
+                request_id = queued.message.request.request_id
                 error = QueueTimeoutError(now - queued.queued_at, retry_after=1)
-                self._reply(queued.message.request.request_id, Failed(error), final=True)
+                self._reply(request_id, FailEvent(request_id, error), final=True)
             else:
                 still_waiting.append(queued)
         self.waiting = still_waiting
@@ -200,60 +210,47 @@ class ModelActor:
         reply = self.replies.pop(request_id, None)
         if reply is not None:
             reply.close()
-        for lane, rid in list(self.lane_requests.items()):
+        self._forget_request(request_id)
+
+    def _forget_request(self, request_id: str) -> None:
+        for slot, rid in list(self.slot_requests.items()):
             if rid == request_id:
-                del self.lane_requests[lane]
+                del self.slot_requests[slot]
 
     def _admit(self) -> None:
         still_waiting: deque[Queued] = deque()
-        running = sum(lane.busy for lane in self.engine.lanes)
         while self.waiting:
             queued = self.waiting.popleft()
-            if running >= self.max_running:
-                still_waiting.append(queued)
-                continue
-            message = queued.message
-            request = message.request
-            if message.slot_hint is not None:
-                lane = self.engine.lanes[message.slot_hint]  # in range: checked on arrival
-                lane = None if lane.busy else lane
-            else:
-                lane = self.engine.free_lane(request.prompt)
-            if lane is None:
+            request = queued.message.request
+            slot = self.engine.slot_for(request, queued.message.slot_hint)  # a hint is in range: checked on arrival
+            if slot is None:
                 still_waiting.append(queued)
                 continue
             try:
-                self.engine.admit(request, lane)
+                self.engine.admit(request, slot)
             except Exception as exc:  # a bad request fails alone
-                self._reply(request.request_id, Failed(exc), final=True)
+                self._reply(request.request_id, FailEvent(request.request_id, exc), final=True)
                 continue
-            self.lane_requests[lane.index] = request.request_id
-            running += 1
+            self.slot_requests[slot.index] = request.request_id
         self.waiting = still_waiting
 
     def _dispatch(self, events) -> None:
         for event in events:
-            if isinstance(event, TokenEvent):
-                self._reply(event.request_id, Tokens([event.token_id], event.text, [event.logprob]))
-            elif isinstance(event, FinishEvent):
-                self.lane_requests.pop(event.lane, None)
-                self._reply(event.request_id, Done(event.finish_reason, event.text, event.usage, event.timings,
-                                                   event.lane, event.timed_out), final=True)
+            if isinstance(event, FinishEvent):
+                self.slot_requests.pop(event.slot, None)
             elif isinstance(event, FailEvent):
                 log.error("request %s failed in a step: %r", event.request_id, event.error)
-                for lane, rid in list(self.lane_requests.items()):
-                    if rid == event.request_id:
-                        del self.lane_requests[lane]
-                self._reply(event.request_id, Failed(event.error), final=True)
+                self._forget_request(event.request_id)
+            self._reply(event.request_id, event, final=not isinstance(event, TokenEvent))
 
-    def _reply(self, request_id: str, reply, final: bool = False) -> None:
+    def _reply(self, request_id: str, event: Event, final: bool = False) -> None:
         channel = self.replies.get(request_id)
         if channel is None:
             return
         try:
-            channel.send_nowait(reply)
+            channel.send_nowait(event)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            # The handler is gone (client disconnected): free the lane now.
+            # The handler is gone (client disconnected): free the slot now.
             self._cancel(request_id)
             return
         if final:
@@ -266,7 +263,7 @@ class ModelActor:
         while self.admin:
             message = self.admin.popleft()
             slot = getattr(message, "slot", None)
-            if slot is not None and 0 <= slot < len(self.engine.lanes) and self.engine.lanes[slot].busy:
+            if slot is not None and 0 <= slot < self.n_slots and self.engine.slots[slot].busy:
                 postponed.append(message)  # a save/restore/erase on a busy slot waits for it to be free
                 continue
             try:
@@ -279,11 +276,6 @@ class ModelActor:
                 pass
         self.admin = postponed
 
-    def _lane(self, slot: int):
-        if not 0 <= slot < len(self.engine.lanes):
-            raise SlotNotFoundError(slot, len(self.engine.lanes))
-        return self.engine.lanes[slot]
-
     async def _admin(self, message: Message):
         if isinstance(message, SlotList):
             return self.slot_list()
@@ -291,44 +283,34 @@ class ModelActor:
             return self.stats()
         if isinstance(message, CacheSave):
             return await trio.to_thread.run_sync(self.save_prefix_cache)
-        lane = self._lane(message.slot)
+        if not 0 <= message.slot < self.n_slots:
+            raise SlotNotFoundError(message.slot, self.n_slots)
         started = time.perf_counter()
-        runner = self.engine.runner
         if isinstance(message, SlotSave):
-            info = await trio.to_thread.run_sync(save_lane, runner, lane, Path(message.path))
+            saved = await trio.to_thread.run_sync(self.engine.save_slot, message.slot, Path(message.path))
         elif isinstance(message, SlotRestore):
-            try:
-                info = await trio.to_thread.run_sync(restore_lane, self.engine, lane, Path(message.path))
-            except Exception:
-                # A refused snapshot leaves the slot empty, never half-restored or stale.
-                lane.forget(runner)
-                raise
+            saved = await trio.to_thread.run_sync(self.engine.restore_slot, message.slot, Path(message.path))
         elif isinstance(message, SlotErase):
-            n = lane.sequence.n_past
-            lane.forget(runner)
-            return SlotOperationResult(message.slot, n, 0, 1000 * (time.perf_counter() - started))
+            n_tokens = self.engine.erase(message.slot)
+            return SlotOperationResult(message.slot, n_tokens, 0, 1000 * (time.perf_counter() - started))
         else:
             raise TypeError(f"unknown admin message {message!r}")
-        return SlotOperationResult(message.slot, info.n_tokens, info.n_bytes, 1000 * (time.perf_counter() - started))
+        return SlotOperationResult(message.slot, saved.n_tokens, saved.n_bytes,
+                                   1000 * (time.perf_counter() - started))
 
     def stats(self) -> dict:
-        pool = self.engine.runner.pool
-        cache = self.engine.prefix_cache
-        return {"model": self.model_id, "steps": self.steps, "waiting": len(self.waiting),
+        return {"model": self.info.id, "steps": self.steps, "waiting": len(self.waiting),
                 "refused": self.refused, "timed_out_in_queue": self.timed_out_in_queue,
-                "busy_slots": sum(lane.busy for lane in self.engine.lanes),
-                "kv_blocks_total": pool.n_blocks, "kv_blocks_used": pool.n_used,
-                "prefix_cache": cache.stats() if cache is not None else None,
-                "prefix_cache_save_failures": self.cache_save_failures}
+                **self.engine.stats(), "prefix_cache_save_failures": self.cache_save_failures}
 
     # --- prefix cache file --------------------------------------------------------------------
     def load_prefix_cache(self) -> int:
         """Warm the prefix cache from its file; an unusable file is a warning and a cold start."""
-        cache, path = self.engine.prefix_cache, self.cache_file
-        if cache is None or path is None:
+        path = self.engine.prefix_cache_file
+        if path is None:
             return 0
         try:
-            n = load_prefix_cache(self.engine.runner, cache, path)
+            n = self.engine.load_prefix_cache()
         except FileNotFoundError:
             log.info("Prefix cache: no file at %s yet, starting cold", path)
             return 0
@@ -340,12 +322,12 @@ class ModelActor:
 
     def save_prefix_cache(self) -> int | None:
         """Write the prefix cache file; a failure is a WARNING and counted, never raised. Blocks written."""
-        cache, path = self.engine.prefix_cache, self.cache_file
-        if cache is None or path is None:
+        path = self.engine.prefix_cache_file
+        if path is None:
             return None
         started = time.perf_counter()
         try:
-            n = save_prefix_cache(self.engine.runner, cache, path)
+            n = self.engine.save_prefix_cache()
         except Exception as exc:  # a failed save must never take the server down
             self.cache_save_failures += 1
             log.warning("Prefix cache: could not save to %s: %s", path, exc)
@@ -353,16 +335,12 @@ class ModelActor:
         log.info("Prefix cache: saved %d blocks to %s in %.0f ms", n, path, 1000 * (time.perf_counter() - started))
         return n
 
+    def close(self) -> None:
+        """Release the engine (call after `run` has stopped)."""
+        self.engine.close()
+
     def slot_list(self) -> list[dict]:
-        rows = []
-        for lane in self.engine.lanes:
-            rows.append({
-                "id": lane.index,
-                "model": self.model_id,
-                "is_processing": lane.busy,
-                "cache_tokens": lane.sequence.n_past,
-                "cache_position": lane.sequence.n_past,
-                "n_ctx": self.engine.runner.max_context,
-                "request_id": self.lane_requests.get(lane.index),
-            })
-        return rows
+        return [{"id": slot.index, "model": self.info.id, "is_processing": slot.busy,
+                 "cache_tokens": slot.sequence.n_past, "cache_position": slot.sequence.n_past,
+                 "n_ctx": self.info.n_ctx, "request_id": self.slot_requests.get(slot.index)}
+                for slot in self.engine.slots]

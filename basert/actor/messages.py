@@ -1,4 +1,5 @@
-"""Typed messages into a ModelActor's mailbox, and the reply events sent back to a request's handler."""
+"""Typed messages into a ModelActor's mailbox. A generation's replies are the engine's own events
+(`TokenEvent`, then one `FinishEvent` or `FailEvent`); an admin message's reply is its result or the exception."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ from pathlib import Path
 
 import trio
 
-from basert.engine.engine import GenerationRequest, Timings, Usage
-from basert.engine.sampler import TokenLogprob
+from basert.engine.types import FailEvent, FinishEvent, GenerationRequest, TokenEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,26 +63,4 @@ class CacheSave:
 Message = Generate | Cancel | SlotList | SlotSave | SlotRestore | SlotErase | Stats | CacheSave
 
 
-@dataclass(frozen=True, slots=True)
-class Tokens:
-    ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob | None]
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    finish_reason: str
-    text: str
-    usage: Usage
-    timings: Timings
-    slot: int
-    timed_out: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    error: Exception
-
-
-Reply = Tokens | Done | Failed
+Reply = TokenEvent | FinishEvent | FailEvent

@@ -14,6 +14,7 @@ import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from basert.chat.tool_calls import CLOSE_TAG, OPEN_TAG, QWEN_JSON, QWEN_XML
+from basert.errors import InvalidRequestError
 from basert.tokenizer import Tokenizer
 
 # Compact JSON: a structure leaves no room for whitespace, so a weak model cannot loop on it.
@@ -35,7 +36,7 @@ PAD_PIECE = re.compile(r"\[PAD\d+\]")
 BYTE_CEILINGS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, np.inf, -np.inf).astype(np.float32)
 
 
-class GrammarError(ValueError):
+class GrammarError(InvalidRequestError, ValueError):
     """A schema, tool list or grammar that cannot be enforced; raised when the constraint is built."""
 
 

@@ -14,8 +14,10 @@ import jinja2.ext
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from basert.errors import InvalidRequestError
 
-class ChatTemplateError(ValueError):
+
+class ChatTemplateError(InvalidRequestError, ValueError):
     """A chat template failed to compile or render, or rejected the conversation itself."""
 
 

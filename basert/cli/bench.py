@@ -30,55 +30,46 @@ class BenchResult:
         return statistics.stdev(self.rates) if len(self.rates) > 1 else 0.0
 
 
-def time_prefill(runner, tokens: np.ndarray) -> float:
-    from basert.engine.runner import ForwardRequest
-
-    seq = runner.new_sequence()
+def time_prefill(engine, tokens: list[int]) -> float:
+    """One forward over the tokens from an empty slot."""
+    engine.erase(0)
     started = time.perf_counter()
-    runner.forward([ForwardRequest(seq, tokens)])
-    elapsed = time.perf_counter() - started
-    runner.release(seq)
-    return elapsed
+    engine.prefill(tokens)
+    return time.perf_counter() - started
 
 
-def time_decode(runner, n_tokens: int, first_token: int) -> float:
-    """n_tokens single-token forwards from an empty sequence, each feeding back the argmax."""
-    from basert.engine.runner import ForwardRequest
-
-    seq = runner.new_sequence()
+def time_decode(engine, n_tokens: int, first_token: int) -> float:
+    """n_tokens single-token forwards from an empty slot, each feeding back the argmax."""
+    engine.erase(0)
     token = first_token
     started = time.perf_counter()
     for _ in range(n_tokens):
-        logits = runner.forward([ForwardRequest(seq, [token])])[0]
-        token = int(np.argmax(logits[0]))
-    elapsed = time.perf_counter() - started
-    runner.release(seq)
-    return elapsed
+        token = int(np.argmax(engine.decode(token)))
+    return time.perf_counter() - started
 
 
 def run_bench(path: Path, prompt_sizes: list[int], gen_sizes: list[int], repetitions: int, warmup: int,
               threads: int | None = None, kv_bits: int = 16) -> list[BenchResult]:
     """Measure each ppN and tgN `repetitions` times after `warmup` unrecorded runs."""
-    from basert.engine.runner import ModelRunner
+    from basert.engine import EngineOptions, build_engine
 
     max_context = max(prompt_sizes + gen_sizes + [16])
-    runner = ModelRunner(path, max_context=max_context, threads=threads,
-                         kv_dtype=np.float16 if kv_bits == 16 else np.float32)
+    engine = build_engine(path, EngineOptions(max_context=max_context, threads=threads, kv_bits=kv_bits))
     rng = np.random.default_rng(0)
     results = []
     try:
         for n in prompt_sizes:
-            tokens = rng.integers(0, runner.vocab_size, n).astype(np.int32)
+            tokens = rng.integers(0, engine.info.vocab_size, n).tolist()
             for _ in range(warmup):
-                time_prefill(runner, tokens)
-            results.append(BenchResult(f"pp{n}", n, [time_prefill(runner, tokens) for _ in range(repetitions)]))
+                time_prefill(engine, tokens)
+            results.append(BenchResult(f"pp{n}", n, [time_prefill(engine, tokens) for _ in range(repetitions)]))
         for n in gen_sizes:
-            first = int(rng.integers(0, runner.vocab_size))
+            first = int(rng.integers(0, engine.info.vocab_size))
             for _ in range(warmup):
-                time_decode(runner, n, first)
-            results.append(BenchResult(f"tg{n}", n, [time_decode(runner, n, first) for _ in range(repetitions)]))
+                time_decode(engine, n, first)
+            results.append(BenchResult(f"tg{n}", n, [time_decode(engine, n, first) for _ in range(repetitions)]))
     finally:
-        runner.close()
+        engine.close()
     return results
 
 

@@ -23,6 +23,7 @@ def model_path_for(spec: str | None) -> Path:
 
 def cmd_complete(args: argparse.Namespace) -> int:
     import basert
+    from basert.chat.encoder import ChatEncoder
     from basert.chat.template import ChatTemplate
 
     with basert.Model(model_path_for(args.model), max_context=args.max_context, threads=args.threads) as model:
@@ -36,7 +37,9 @@ def cmd_complete(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": prompt})
             template = ChatTemplate(template_source, bos_token=model.tokenizer.bos_token or "",
                                     eos_token=model.tokenizer.eos_token or "")
-            prompt = template.render(messages, add_generation_prompt=True)
+            # Special-token text typed into a message stays plain text; only the template writes control tokens.
+            encoder = ChatEncoder(model.tokenizer)
+            prompt = encoder.encode(template.render(encoder.hide(messages), add_generation_prompt=True))
 
         def show(token_id: int, text: str) -> bool:
             sys.stdout.write(text)

@@ -93,14 +93,6 @@ def resolve_served_path(spec: str | None) -> Path:
     return model_path_for(spec)
 
 
-def apply_implied_flags(args: argparse.Namespace) -> None:
-    """--prefix-cache-file implies --prefix-cache; it, --continuous-batching and --kv-cache-tokens imply --paged-kv."""
-    if args.prefix_cache_file is not None:
-        args.prefix_cache = True
-    if args.prefix_cache or args.continuous_batching or args.kv_cache_tokens:
-        args.paged_kv = True
-
-
 def check_arguments(args: argparse.Namespace) -> str | None:
     """The first problem with the KV flags, as a message for the user."""
     if args.continuous_batching < 0:
@@ -146,51 +138,52 @@ def read_api_keys(args: argparse.Namespace) -> list[str]:
     return keys
 
 
-def load_model(path: Path, args: argparse.Namespace):
-    import numpy as np
+def engine_options(args: argparse.Namespace):
+    """The engine's part of the flags."""
+    from basert.engine.build import EngineOptions
 
+    return EngineOptions(
+        max_context=args.max_context,
+        n_slots=args.continuous_batching or args.slots or 1,
+        continuous_batching=bool(args.continuous_batching),
+        paged_kv=args.paged_kv,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_bits=args.kv_bits,
+        threads=args.threads,
+        prefix_cache=args.prefix_cache,
+        prefix_cache_file=args.prefix_cache_file,
+        verify_checksums=args.verify_checksums,
+    ).resolved()
+
+
+def load_model(path: Path, args: argparse.Namespace):
+    """Build the model's engine, its actor, and what the server needs to render its chats."""
     from basert.actor.actor import ModelActor
     from basert.chat.template import ChatTemplate
     from basert.chat.tool_calls import detect_dialect
-    from basert.engine.engine import Engine
-    from basert.engine.kv import blocks_for
-    from basert.engine.prefix_cache import PrefixCache
-    from basert.engine.prefix_store import prefix_cache_file
-    from basert.engine.runner import ModelRunner
-    from basert.server.catalog import ServedModel, model_id_for
-    from basert.tokenizer import Tokenizer
+    from basert.engine.build import build_engine
+    from basert.server.catalog import ServedModel
 
-    n_lanes = args.continuous_batching or args.slots or 1
-    kv_blocks = blocks_for(args.kv_cache_tokens) if args.paged_kv and args.kv_cache_tokens else None
-    runner = ModelRunner(path, max_context=args.max_context, threads=args.threads, max_sequences=n_lanes,
-                         kv_blocks=kv_blocks, kv_dtype=np.float16 if args.kv_bits == 16 else np.float32,
-                         verify_checksums=args.verify_checksums)
-    tokenizer_object = runner.base.tokenizer
-    tokenizer = None if tokenizer_object.get("tokenizer_type") == "none" else Tokenizer.from_object(tokenizer_object)
+    options = engine_options(args)
+    engine = build_engine(path, options)
+    tokenizer = engine.tokenizer
     source = args.chat_template.read_text() if args.chat_template else (tokenizer.chat_template if tokenizer else None)
     template = None
     if source:
         template = ChatTemplate(source, bos_token=tokenizer.bos_token or "" if tokenizer else "",
                                 eos_token=tokenizer.eos_token or "" if tokenizer else "")
-    model_id = model_id_for(path, (runner.base.header.get("metadata") or {}).get("general.name"))
-    prefix_cache = None
-    if args.prefix_cache:
-        state = runner.new_sequence().recurrent
-        state_bytes = state.conv.nbytes + state.ssm.nbytes if state is not None else 0
-        prefix_cache = PrefixCache(runner.pool, runner.fingerprint, recurrent=state is not None,
-                                   snapshot_cost_blocks=-(-state_bytes // max(1, runner.kv.block_nbytes)))
-    cache_file = prefix_cache_file(args.prefix_cache_file, model_id) if args.prefix_cache_file else None
-    actor = ModelActor(model_id, Engine(runner, tokenizer, n_lanes=n_lanes, prefix_cache=prefix_cache),
-                       max_running=n_lanes if args.continuous_batching else 1,
-                       cache_file=cache_file, cache_save_interval=args.prefix_cache_save_interval,
+    actor = ModelActor(engine, cache_save_interval=args.prefix_cache_save_interval,
                        max_queued=args.max_queued, queue_timeout=args.queue_timeout)
-    log.info("%s: %d slot(s), KV %s: %d blocks of 16 tokens (%.1f MiB)%s%s", model_id, n_lanes,
-             "paged" if args.paged_kv else "reserved per slot", runner.pool.n_blocks, runner.kv.nbytes / 2**20,
-             ", continuous batching" if args.continuous_batching else "",
-             ", prefix cache" if prefix_cache is not None else "")
+    info = engine.info
+    stats = engine.stats()
+    log.info("%s: %d slot(s), KV %s: %d blocks of 16 tokens (%.1f MiB)%s%s", info.id, info.n_slots,
+             "paged" if info.has("paged_kv") else "reserved per slot", stats["kv_blocks_total"],
+             stats["kv_bytes"] / 2**20,
+             ", continuous batching" if info.has("continuous_batching") else "",
+             ", prefix cache" if info.has("prefix_cache") else "")
     actor.load_prefix_cache()
-    return ServedModel(model_id=model_id, path=path, actor=actor, tokenizer=tokenizer, template=template,
-                       dialect=detect_dialect(source), grammars=None, n_ctx=args.max_context)
+    return ServedModel(info=info, actor=actor, tokenizer=tokenizer, template=template,
+                       dialect=detect_dialect(source), grammars=None)
 
 
 def configure_logging(log_file: Path | None) -> None:
@@ -216,7 +209,6 @@ def check_port_free(host: str, port: int) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_file)
-    apply_implied_flags(args)
     problem = check_arguments(args)
     if problem:
         log.error("%s", problem)
@@ -258,8 +250,7 @@ def serve(args: argparse.Namespace) -> int:
         except ModelValidationError as exc:
             raise StartupError(str(exc)) from None
         catalog.add(model)
-        log.info("loaded %s from %s (%s, n_ctx %d)", model.model_id, path, model.actor.engine.runner.arch,
-                 model.n_ctx)
+        log.info("loaded %s from %s (%s, n_ctx %d)", model.info.id, path, model.info.arch, model.info.n_ctx)
     settings = ServerSettings(
         api_keys=keys,
         limits=ServerLimits(default_max_tokens=args.max_tokens, request_timeout_ms=args.request_timeout),
@@ -315,7 +306,7 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signum, signal.SIG_IGN)  # the final save is short; a late signal must not cut it off
     for model in catalog.models:
         model.actor.save_prefix_cache()  # the actor has stopped: nothing races the save
-        model.actor.engine.runner.close()
+        model.actor.close()
     log.info("stopped")
     return 0
 

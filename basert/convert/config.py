@@ -1,51 +1,30 @@
-"""Architecture names and the normalised model config every .base header carries."""
+"""Source architecture names to .base architectures, and the normalised model config every .base header carries."""
 
 from __future__ import annotations
 
-from basert.convert.source import HYBRID_ARCHS, ConvertError
-
-ARCH_BY_HF_MODEL_TYPE = {
-    "llama": "llama",
-    "qwen2": "qwen",
-    "qwen3": "qwen",
-    "qwen3_moe": "qwen3_moe",
-    "qwen3_5": "qwen35",
-    "qwen3_5_text": "qwen35",
-    "qwen3_5_moe": "qwen35moe",
-    "qwen3_5_moe_text": "qwen35moe",
-    "qwen3_next": "qwen35moe",
-}
-
-ARCH_BY_GGUF = {
-    "llama": "llama",
-    "qwen2": "qwen",
-    "qwen3": "qwen",
-    "qwen3moe": "qwen3_moe",
-    "qwen35": "qwen35",
-    "qwen35moe": "qwen35moe",
-    "qwen3next": "qwen35moe",
-}
+from basert.convert.source import ConvertError
+from basert.format.architectures import BY_GGUF_ARCHITECTURE, BY_HF_MODEL_TYPE, Architecture
 
 
-def hf_arch(model_type: str) -> str:
-    """The .base arch for an HF config `model_type`."""
+def hf_arch(model_type: str) -> Architecture:
+    """The .base architecture for an HF config `model_type`."""
     try:
-        return ARCH_BY_HF_MODEL_TYPE[model_type]
+        return BY_HF_MODEL_TYPE[model_type]
     except KeyError:
-        known = ", ".join(sorted(ARCH_BY_HF_MODEL_TYPE))
+        known = ", ".join(sorted(BY_HF_MODEL_TYPE))
         raise ConvertError(f"unsupported HF model_type {model_type!r} (supported: {known})") from None
 
 
-def gguf_arch(name: str) -> str:
-    """The .base arch for a GGUF `general.architecture`."""
+def gguf_arch(name: str) -> Architecture:
+    """The .base architecture for a GGUF `general.architecture`."""
     try:
-        return ARCH_BY_GGUF[name]
+        return BY_GGUF_ARCHITECTURE[name]
     except KeyError:
-        known = ", ".join(sorted(ARCH_BY_GGUF))
+        known = ", ".join(sorted(BY_GGUF_ARCHITECTURE))
         raise ConvertError(f"unsupported GGUF architecture {name!r} (supported: {known})") from None
 
 
-def finish_config(arch: str, config: dict, *, rope_style: str, norm_plus_one_folded: bool) -> dict:
+def finish_config(arch: Architecture, config: dict, *, norm_plus_one_folded: bool) -> dict:
     """Fill the derived keys the engine reads, so it never has to guess a convention."""
     cfg = dict(config)
     rope = cfg.pop("rope_parameters", None) or cfg.get("rope_scaling") or {}
@@ -66,9 +45,9 @@ def finish_config(arch: str, config: dict, *, rope_style: str, norm_plus_one_fol
     cfg.setdefault("tie_word_embeddings", False)
     cfg.setdefault("hidden_act", "silu")
     cfg["rotary_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
-    cfg["rope_style"] = rope_style
+    cfg["rope_style"] = arch.rope_style
     cfg["norm_plus_one_folded"] = norm_plus_one_folded
-    if arch in HYBRID_ARCHS:
+    if arch.hybrid:
         interval = cfg.setdefault("full_attention_interval", 4)
         cfg.setdefault(
             "layer_types",

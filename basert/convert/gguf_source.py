@@ -178,11 +178,8 @@ def open_gguf(path: Path, tokenizer_object: dict | None) -> SourceModel:
     if not isinstance(arch_name, str):
         raise ConvertError(f"{path}: GGUF has no general.architecture")
     arch = gguf_arch(arch_name)
-    # GGUF llama q/k rows are already permuted for adjacent-pair RoPE; Qwen GGUFs keep split-half.
-    rope_style = "interleaved" if arch == "llama" else "split_half"
-    config = finish_config(
-        arch, gguf_config(reader, arch_name), rope_style=rope_style, norm_plus_one_folded=False
-    )
+    # GGUF q/k rows are already in the arch's RoPE order (llama.cpp permutes llama's to adjacent pairs).
+    config = finish_config(arch, gguf_config(reader, arch_name), norm_plus_one_folded=False)
     warnings: list[str] = []
     tensors: list[SourceTensor] = []
     for tensor in reader.tensors:

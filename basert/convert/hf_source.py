@@ -14,7 +14,6 @@ from basert.convert.config import finish_config, hf_arch
 from basert.convert.source import (
     FLAG_EXPERT_WEIGHT,
     FLAG_SSM_A_MATRIX,
-    HYBRID_ARCHS,
     ConvertError,
     SourceModel,
     SourceTensor,
@@ -22,6 +21,7 @@ from basert.convert.source import (
     is_zero_centred_norm,
 )
 from basert.convert.tokenizer_source import tokenizer_object_from_hf
+from basert.format.architectures import Architecture
 
 # Prefixes that carry the text model's weights; anything else under these is not ours to convert.
 TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.")
@@ -131,9 +131,7 @@ def open_hf(model_dir: Path, tokenizer_object: dict | None) -> SourceModel:
     raw_config = load_hf_config(model_dir)
     model_type = raw_config.get("model_type", "")
     arch = hf_arch(model_type)
-    hybrid = arch in HYBRID_ARCHS
-    rope_style = "interleaved" if arch == "llama" else "split_half"
-    config = finish_config(arch, raw_config, rope_style=rope_style, norm_plus_one_folded=hybrid)
+    config = finish_config(arch, raw_config, norm_plus_one_folded=arch.zero_centred_norms)
     files = HFDirectory(model_dir)
     warnings: list[str] = []
     tokenizer = tokenizer_object
@@ -166,7 +164,7 @@ def open_hf(model_dir: Path, tokenizer_object: dict | None) -> SourceModel:
         if name.endswith("linear_attn.in_proj_ba.weight"):
             tensors.extend(_split_ba(files, key, name, config))
             continue
-        tensors.append(_plain_tensor(files, key, name, arch, config, hybrid))
+        tensors.append(_plain_tensor(files, key, name, arch, config))
     for (layer, proj), by_expert in sorted(experts.items()):
         tensors.append(_stacked_experts(files, layer, proj, by_expert))
 
@@ -185,17 +183,18 @@ def _dense_kind(files: HFDirectory, key: str) -> str:
     return {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(files.dtypes[key], "f32")
 
 
-def _plain_tensor(
-    files: HFDirectory, key: str, name: str, arch: str, config: dict, hybrid: bool
-) -> SourceTensor:
+def _plain_tensor(files: HFDirectory, key: str, name: str, arch: Architecture, config: dict) -> SourceTensor:
     shape = files.shapes[key]
     transform = None
-    if hybrid and is_zero_centred_norm(name):
+    folds_norm = arch.zero_centred_norms and is_zero_centred_norm(name)
+    # HF checkpoints keep q/k rows in split-half RoPE order.
+    interleave = arch.rope_style == "interleaved"
+    if folds_norm:
         transform = lambda w: (w + np.float32(1.0)).astype(np.float32)  # noqa: E731
-    elif arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+    elif interleave and name.endswith("self_attn.q_proj.weight"):
         heads = config["num_attention_heads"]
         transform = lambda w: permute_for_interleaved_rope(w, heads)  # noqa: E731
-    elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+    elif interleave and name.endswith("self_attn.k_proj.weight"):
         heads = config["num_key_value_heads"]
         transform = lambda w: permute_for_interleaved_rope(w, heads)  # noqa: E731
 
@@ -211,7 +210,7 @@ def _plain_tensor(
         source_type=files.dtypes[key],
         load_f32=load,
         # +1 folded into a bf16/f16 norm is no longer exact in the source dtype: store f32 then.
-        native_dense=None if (transform is not None and hybrid) else _dense_kind(files, key),
+        native_dense=None if folds_norm else _dense_kind(files, key),
         flags=flags,
         keep_f32=is_control_tensor(name) or len(shape) == 1,
     )

@@ -15,8 +15,6 @@ from basert.convert.source import (
     HEADER_HAS_SSM,
     HEADER_QUANTIZED,
     HEADER_TIED_EMBEDDINGS,
-    HYBRID_ARCHS,
-    MOE_ARCHS,
     ConvertError,
     ProgressHook,
     SourceModel,
@@ -72,9 +70,9 @@ def convert(
     warnings = list(model.warnings)
     counts: dict[str, int] = {}
     header_flags = 0
-    if model.arch in MOE_ARCHS:
+    if model.arch.moe:
         header_flags |= HEADER_HAS_MOE
-    if model.arch in HYBRID_ARCHS:
+    if model.arch.hybrid:
         header_flags |= HEADER_HAS_SSM | HEADER_HAS_HYBRID
     if model.config.get("tie_word_embeddings"):
         header_flags |= HEADER_TIED_EMBEDDINGS
@@ -90,7 +88,7 @@ def convert(
     total = len(model.tensors)
     with BaseWriter(
         out,
-        arch=model.arch,
+        arch=model.arch.name,
         config=model.config,
         tokenizer=model.tokenizer,
         source=model.source,
@@ -126,7 +124,7 @@ def convert(
             progress(total, total, "")
     return ConvertReport(
         output=out,
-        arch=model.arch,
+        arch=model.arch.name,
         tensors=total,
         bytes_written=out.stat().st_size,
         seconds=time.monotonic() - started,

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
+from basert.format.architectures import Architecture
 from basert.format.quant import QuantizedTensor
 
 # Tensor flags of the .base format.
@@ -45,7 +46,7 @@ class SourceTensor:
 class SourceModel:
     """A parsed source: architecture, normalised config, tokenizer object and tensors."""
 
-    arch: str
+    arch: Architecture
     config: dict
     tokenizer: dict
     source: dict
@@ -58,10 +59,7 @@ class ProgressHook(Protocol):
     def __call__(self, done: int, total: int, name: str) -> None: ...
 
 
-HYBRID_ARCHS = frozenset({"qwen35", "qwen35moe"})
-MOE_ARCHS = frozenset({"qwen3_moe", "qwen35moe"})
-
-# Norms whose HF weight w acts as (1 + w) in the hybrid models; stored with the +1 added.
+# Norms whose HF weight w acts as (1 + w) in architectures with zero-centred norms; stored with the +1 added.
 ZERO_CENTRED_NORM_SUFFIXES = (
     "input_norm.weight",
     "post_attn_norm.weight",
@@ -71,7 +69,7 @@ ZERO_CENTRED_NORM_SUFFIXES = (
 
 
 def is_zero_centred_norm(name: str) -> bool:
-    """True for the hybrid models' (1 + w) norms (not the gated linear_attn.norm)."""
+    """True for the (1 + w) norms of architectures with zero-centred norms (not the gated linear_attn.norm)."""
     return name == "final_norm.weight" or name.endswith(ZERO_CENTRED_NORM_SUFFIXES)
 
 

@@ -11,11 +11,19 @@ from collections.abc import Callable
 
 import numpy as np
 
+from basert.errors import UnavailableError
+
 BLOCK_SIZE = 16
 
 
-class OutOfBlocksError(RuntimeError):
-    """The KV pool has no free block left for a sequence that needs one."""
+class OutOfBlocksError(UnavailableError, RuntimeError):
+    """The KV pool has no free block left for a sequence that needs one; running requests free theirs soon."""
+
+    code = "kv_cache_full"
+    retry_after = 1
+
+    def client_message(self) -> str:
+        return f"the KV cache is full ({self}); retry when running requests finish"
 
 
 def blocks_for(n_tokens: int) -> int:

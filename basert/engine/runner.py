@@ -5,6 +5,7 @@ It only computes: callers (the Python API, later the actor's scheduler) decide w
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ import xxhash
 
 from basert._ext import matmul as mm
 from basert.engine.kv import BLOCK_SIZE, BlockPool, BlockTable, KVCache, blocks_for
-from basert.engine.sequence import RecurrentState, SequenceState
+from basert.engine.sequence import RECURRENT_DTYPE, RecurrentState, SequenceState
+from basert.errors import InvalidRequestError
 from basert.format import BaseFile
 from basert.models import build_model
 from basert.models.layers import Batch, BatchItem, Workspace
@@ -24,13 +26,23 @@ from basert.models.layers import Batch, BatchItem, Workspace
 LogitsWanted = Literal["last", "all", "none"]
 
 
-class ContextOverflowError(ValueError):
+class ContextOverflowError(InvalidRequestError, ValueError):
     """A sequence would grow past the context window."""
+
+    code = "context_length_exceeded"
+    param = "messages"
 
     def __init__(self, n_tokens: int, n_ctx: int):
         super().__init__(f"{n_tokens} tokens exceed the context window of {n_ctx}")
         self.n_tokens = n_tokens
         self.n_ctx = n_ctx
+
+    def client_message(self) -> str:
+        return (f"This model's maximum context length is {self.n_ctx} tokens; the request has "
+                f"{self.n_tokens} prompt tokens.")
+
+    def extra(self) -> dict[str, object]:
+        return {"n_prompt_tokens": self.n_tokens, "n_ctx": self.n_ctx}
 
 
 @dataclass(slots=True)
@@ -78,7 +90,7 @@ class ModelRunner:
             raise
         self.fingerprint = model_fingerprint(Path(path))
         self.arch = self.base.arch
-        self.config = self.base.config
+        self.config = self.model.config   # typed (models/config.py)
         self.max_context = max_context
         self.threads = threads or default_threads()
         mm.set_num_threads(self.threads)
@@ -87,24 +99,45 @@ class ModelRunner:
         self.max_blocks_per_sequence = blocks_for(max_context)
         n_blocks = kv_blocks if kv_blocks is not None else max_sequences * self.max_blocks_per_sequence
         self.pool = BlockPool(n_blocks)
-        self.kv = KVCache(self.n_attention_layers, n_blocks, self.config["num_key_value_heads"],
-                          self.config["head_dim"], kv_dtype)
+        self.kv = KVCache(self.n_attention_layers, n_blocks, self.config.num_key_value_heads,
+                          self.config.head_dim, kv_dtype)
         self.workspace = Workspace()
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config["vocab_size"])
+        return self.config.vocab_size
+
+    @property
+    def kv_dtype(self) -> np.dtype:
+        """Element type of the KV cache (also of a model without attention layers, whose cache is empty)."""
+        return self.kv.dtype
+
+    @property
+    def recurrent_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """Shapes of a sequence's recurrent state, (conv, ssm); None for a model without linear-attention layers.
+
+        conv is [n_linear_layers, conv_dim, K-1], ssm is [n_linear_layers, n_v, d_k, d_v] (see RecurrentState).
+        """
+        linear = self.model.linear_attention
+        if linear is None or not self.n_linear_layers:
+            return None
+        n = self.n_linear_layers
+        return ((n, linear.conv_dim, linear.conv_kernel_dim - 1),
+                (n, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim))
+
+    @property
+    def recurrent_state_nbytes(self) -> int:
+        """Bytes of one sequence's recurrent state (conv and ssm); 0 for a model without linear-attention layers."""
+        shapes = self.recurrent_shapes
+        if shapes is None:
+            return 0
+        conv_shape, ssm_shape = shapes
+        return RECURRENT_DTYPE.itemsize * (math.prod(conv_shape) + math.prod(ssm_shape))
 
     def new_sequence(self) -> SequenceState:
         """An empty sequence with its own block table and (for hybrids) recurrent state."""
-        recurrent = None
-        if self.n_linear_layers:
-            c = self.config
-            conv_dim = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + \
-                c["linear_num_value_heads"] * c["linear_value_head_dim"]
-            recurrent = RecurrentState(self.n_linear_layers, conv_dim, c["linear_conv_kernel_dim"],
-                                       c["linear_num_value_heads"], c["linear_key_head_dim"],
-                                       c["linear_value_head_dim"])
+        shapes = self.recurrent_shapes
+        recurrent = RecurrentState.zeros(*shapes) if shapes is not None else None
         return SequenceState(BlockTable(self.max_blocks_per_sequence), recurrent, [])
 
     def rewind(self, sequence: SequenceState, n_tokens: int) -> None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from basert.errors import InvalidRequestError
+
 MAX_TOP_LOGPROBS = 20
 # top_p sorts only the best NUCLEUS_PROBE tokens, then NUCLEUS_PROBE_GROWTH times more while they
 # hold less than top_p of the mass: a stable argsort of a whole 150k-token row costs ~25 ms.
@@ -33,7 +35,7 @@ NUCLEUS_PROBE = 1024
 NUCLEUS_PROBE_GROWTH = 8
 
 
-class SamplingError(ValueError):
+class SamplingError(InvalidRequestError, ValueError):
     """A sampling parameter is out of range; the message names the field."""
 
 

@@ -8,6 +8,8 @@ import numpy as np
 
 from basert.engine.kv import BlockPool, BlockTable
 
+RECURRENT_DTYPE = np.dtype(np.float32)
+
 
 class RecurrentState:
     """Per-sequence Gated DeltaNet state of every linear-attention layer, float32.
@@ -17,22 +19,35 @@ class RecurrentState:
     """
 
     def __init__(self, n_layers: int, conv_dim: int, conv_width: int, n_v: int, d_k: int, d_v: int):
-        self.conv = np.zeros((n_layers, conv_dim, conv_width - 1), dtype=np.float32)
-        self.ssm = np.zeros((n_layers, n_v, d_k, d_v), dtype=np.float32)
+        self.conv = np.zeros((n_layers, conv_dim, conv_width - 1), dtype=RECURRENT_DTYPE)
+        self.ssm = np.zeros((n_layers, n_v, d_k, d_v), dtype=RECURRENT_DTYPE)
+
+    @classmethod
+    def zeros(cls, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...]) -> RecurrentState:
+        """A zeroed state of these shapes (see `ModelRunner.recurrent_shapes`)."""
+        return cls._of(np.zeros(conv_shape, dtype=RECURRENT_DTYPE), np.zeros(ssm_shape, dtype=RECURRENT_DTYPE))
+
+    @classmethod
+    def _of(cls, conv: np.ndarray, ssm: np.ndarray) -> RecurrentState:
+        state = cls.__new__(cls)
+        state.conv = conv
+        state.ssm = ssm
+        return state
 
     def reset(self) -> None:
         self.conv.fill(0.0)
         self.ssm.fill(0.0)
 
     def clone(self) -> RecurrentState:
-        copy = RecurrentState.__new__(RecurrentState)
-        copy.conv = self.conv.copy()
-        copy.ssm = self.ssm.copy()
-        return copy
+        return RecurrentState._of(self.conv.copy(), self.ssm.copy())
 
     def copy_from(self, other: RecurrentState) -> None:
-        np.copyto(self.conv, other.conv)
-        np.copyto(self.ssm, other.ssm)
+        self.assign(other.conv, other.ssm)
+
+    def assign(self, conv: np.ndarray, ssm: np.ndarray) -> None:
+        """Overwrite the state with these values (of the state's shapes)."""
+        np.copyto(self.conv, conv)
+        np.copyto(self.ssm, ssm)
 
 
 @dataclass(slots=True)

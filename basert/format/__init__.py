@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from basert.format.architectures import ARCHITECTURES, BY_GGUF_ARCHITECTURE, BY_HF_MODEL_TYPE, Architecture
 from basert.format.errors import (
     BadMagicError,
     BaseFormatError,
@@ -38,10 +39,14 @@ from basert.format.writer import BaseWriter
 
 __all__ = [
     "ALLOWED_GROUP_SIZES",
+    "ARCHITECTURES",
+    "BY_GGUF_ARCHITECTURE",
+    "BY_HF_MODEL_TYPE",
     "DENSE_DTYPES",
     "KNOWN_QUANT_DTYPES",
     "QUANT_BITS",
     "SCALE_DTYPES",
+    "Architecture",
     "BadMagicError",
     "BaseFile",
     "BaseFormatError",

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from basert.errors import BaseRTError
+
 log = logging.getLogger("basert.storage")
 
 # A temp file is `.<target name>.<tag>.tmp` beside its target, the tag 8 characters of [a-z0-9_]: the form
@@ -23,11 +25,14 @@ _TAG_LENGTH = 8
 _TEMP_NAME = re.compile(rf"\.(?P<target>.+)\.[{_TAG_CHARACTERS}]{{{_TAG_LENGTH}}}\.tmp", re.DOTALL)
 
 
-class StorageError(Exception):
+class StorageError(BaseRTError):
     """Writing to disk failed (no space, quota, read-only or I/O error) during `operation`.
 
     The message names the operation and the system's reason, never a path: it reaches clients.
     """
+
+    status = 507
+    code = "insufficient_storage"
 
     def __init__(self, operation: str, cause: OSError):
         super().__init__(f"{operation} failed: {cause.strerror or type(cause).__name__}")

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from basert.errors import BaseRTError
 
-class ModelValidationError(ValueError):
-    """A model file cannot be served as it stands: it is malformed, or its header contradicts its tensors."""
+
+class ModelValidationError(BaseRTError, ValueError):
+    """A model file cannot be served as it stands: it is malformed, or its header contradicts its tensors.
+
+    A fault of the server's setup, never of a request (status 500): its message names a path, so it stays
+    in the log and the client gets an error id.
+    """
 
 
 class BaseFormatError(ModelValidationError):

@@ -12,31 +12,24 @@ import numpy as np
 
 from basert._ext import deltanet as gdn
 from basert._ext import ops
-from basert.models.config import ModelConfig
+from basert.models.config import Qwen35Config
 from basert.models.layers import Batch, Linear, Weights, Workspace
 
 
 class GatedDeltaNet:
-    def __init__(self, weights: Weights, prefix: str, config: ModelConfig, state_layer: int):
-        self.n_k = config.count("linear_num_key_heads")
-        self.n_v = config.count("linear_num_value_heads")
-        self.d_k = config.count("linear_key_head_dim")
-        self.d_v = config.count("linear_value_head_dim")
-        if self.n_v % self.n_k:
-            raise config.error(f"config linear_num_value_heads {self.n_v} is not a multiple of "
-                               f"linear_num_key_heads {self.n_k}")
-        self.key_dim = self.n_k * self.d_k
-        self.value_dim = self.n_v * self.d_v
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.eps = config.number("rms_norm_eps")
-        hidden = config.count("hidden_size")
+    def __init__(self, weights: Weights, prefix: str, config: Qwen35Config, state_layer: int):
+        sizes = config.linear_attention
+        self.n_k, self.n_v = sizes.num_key_heads, sizes.num_value_heads
+        self.d_k, self.d_v = sizes.key_head_dim, sizes.value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = sizes.key_dim, sizes.value_dim, sizes.conv_dim
+        self.eps = config.rms_norm_eps
+        hidden = config.hidden_size
         self.in_proj_qkv = Linear(weights, f"{prefix}.in_proj_qkv.weight", self.conv_dim, hidden)
         self.in_proj_z = Linear(weights, f"{prefix}.in_proj_z.weight", self.value_dim, hidden)
         self.in_proj_a = Linear(weights, f"{prefix}.in_proj_a.weight", self.n_v, hidden)
         self.in_proj_b = Linear(weights, f"{prefix}.in_proj_b.weight", self.n_v, hidden)
         self.out_proj = Linear(weights, f"{prefix}.out_proj.weight", hidden, self.value_dim)
-        kernel = config.count("linear_conv_kernel_dim")
-        self.conv_weight = weights.vector(f"{prefix}.conv1d.weight", self.conv_dim, kernel)
+        self.conv_weight = weights.vector(f"{prefix}.conv1d.weight", self.conv_dim, sizes.conv_kernel_dim)
         self.A_log = weights.vector(f"{prefix}.A_log", self.n_v)
         self.dt_bias = weights.vector(f"{prefix}.dt_bias", self.n_v)
         self.norm_weight = weights.vector(f"{prefix}.norm.weight", self.d_v)

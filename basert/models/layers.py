@@ -21,7 +21,7 @@ from basert._ext import attention as attn_ext
 from basert._ext import matmul as mm
 from basert._ext import norm, ops
 from basert.format import BaseFile, ModelValidationError, TensorInfo
-from basert.models.config import ModelConfig
+from basert.models.config import DecoderConfig
 
 
 class Workspace:
@@ -48,6 +48,10 @@ class Weights:
         self.where = f"{base.path} ({base.arch})"
         self.used: set[str] = set()
 
+    def error(self, message: str) -> ModelValidationError:
+        """An error whose message starts with the file and its arch."""
+        return ModelValidationError(f"{self.where}: {message}")
+
     def has(self, name: str) -> bool:
         return name in self.base.tensors
 
@@ -69,13 +73,12 @@ class Weights:
     def _take(self, name: str, shape: tuple[int, ...], same_dims: bool = True) -> TensorInfo:
         info = self.base.tensors.get(name)
         if info is None:
-            raise ModelValidationError(f"{self.where}: tensor {name!r} is missing")
+            raise self.error(f"tensor {name!r} is missing")
         fits = info.array_shape == shape if same_dims else info.n_elements == math.prod(shape)
         if not fits:
             # Shapes are shown in the header's own order (reversed for GGUF sources), as in the file.
             expected = list(reversed(shape)) if self.base.source_format == "gguf" else list(shape)
-            raise ModelValidationError(
-                f"{self.where}: tensor {name!r} has shape {list(info.shape)}, expected {expected} from the config")
+            raise self.error(f"tensor {name!r} has shape {list(info.shape)}, expected {expected} from the config")
         self.used.add(name)
         return info
 
@@ -155,16 +158,13 @@ class RopeTables:
 class Attention:
     """Causal GQA attention over the paged KV cache; optional per-head q/k norm and output gate."""
 
-    def __init__(self, weights: Weights, prefix: str, config: ModelConfig, kv_layer: int, rope: RopeTables,
+    def __init__(self, weights: Weights, prefix: str, config: DecoderConfig, kv_layer: int, rope: RopeTables,
                  *, qk_norm: bool, output_gate: bool):
-        self.n_heads = config.count("num_attention_heads")
-        self.n_kv = config.count("num_key_value_heads")
-        self.head_dim = config.count("head_dim")
-        self.eps = config.number("rms_norm_eps")
-        if self.n_heads % self.n_kv:
-            raise config.error(f"config num_attention_heads {self.n_heads} is not a multiple of "
-                               f"num_key_value_heads {self.n_kv}")
-        hidden = config.count("hidden_size")
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        hidden = config.hidden_size
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.q_proj = Linear(weights, f"{prefix}.q_proj.weight", 2 * q_dim if output_gate else q_dim, hidden)
         self.k_proj = Linear(weights, f"{prefix}.k_proj.weight", kv_dim, hidden)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from basert.models.config import ModelConfig
+from basert.models.config import DecoderConfig, LlamaConfig
 from basert.models.layers import MLP, Attention, Batch, KVTensors, RMSNorm, RopeTables, Weights, Workspace
 from basert.models.transformer import DecoderModel
 
@@ -15,9 +15,9 @@ from basert.models.transformer import DecoderModel
 class DecoderLayer:
     """Attention then a feed-forward block (dense MLP or MoE), each with a pre-norm and a residual."""
 
-    def __init__(self, weights: Weights, layer: int, config: ModelConfig, mixer, feed_forward):
-        eps = config.number("rms_norm_eps")
-        self.hidden = config.count("hidden_size")
+    def __init__(self, weights: Weights, layer: int, config: DecoderConfig, mixer, feed_forward):
+        eps = config.rms_norm_eps
+        self.hidden = config.hidden_size
         self.input_norm = RMSNorm(weights, f"layers.{layer}.input_norm.weight", self.hidden, eps)
         self.post_attn_norm = RMSNorm(weights, f"layers.{layer}.post_attn_norm.weight", self.hidden, eps)
         self.mixer = mixer
@@ -37,23 +37,21 @@ class DecoderLayer:
         np.add(x, delta, out=x)
 
 
-def rope_for(config: ModelConfig, max_pos: int) -> RopeTables:
-    rotary_dim, head_dim = config.count("rotary_dim"), config.count("head_dim")
-    if rotary_dim % 2 or rotary_dim > head_dim:
-        raise config.error(f"config rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}")
-    return RopeTables(config.number("rope_theta"), rotary_dim, max_pos,
-                      interleaved=config.choice("rope_style", ("interleaved", "split_half")) == "interleaved")
+def rope_for(config: DecoderConfig, max_pos: int) -> RopeTables:
+    return RopeTables(config.rope_theta, config.rotary_dim, max_pos, interleaved=config.rope_interleaved)
 
 
-def dense_mlp(weights: Weights, layer: int, config: ModelConfig) -> MLP:
-    return MLP(weights, f"layers.{layer}.mlp", config.count("hidden_size"), config.count("intermediate_size"))
+def dense_mlp(weights: Weights, layer: int, config: DecoderConfig) -> MLP:
+    if config.intermediate_size is None:
+        raise weights.error("config lacks intermediate_size")
+    return MLP(weights, f"layers.{layer}.mlp", config.hidden_size, config.intermediate_size)
 
 
-def build(weights: Weights, config: ModelConfig, max_pos: int) -> DecoderModel:
+def build(weights: Weights, config: LlamaConfig, max_pos: int) -> DecoderModel:
     rope = rope_for(config, max_pos)
     layers = []
-    for i in range(config.count("num_hidden_layers")):
-        attention = Attention(weights, f"layers.{i}.self_attn", config, i, rope,
-                              qk_norm=config.flag("qk_norm", False), output_gate=False)
+    for i in range(config.num_hidden_layers):
+        attention = Attention(weights, f"layers.{i}.self_attn", config, i, rope, qk_norm=config.qk_norm,
+                              output_gate=False)
         layers.append(DecoderLayer(weights, i, config, attention, dense_mlp(weights, i, config)))
     return DecoderModel(weights, config, layers)

@@ -12,30 +12,30 @@ import numpy as np
 
 from basert._ext import matmul as mm
 from basert._ext import ops
-from basert.models.config import ModelConfig
+from basert.models.config import MoEConfig
 from basert.models.layers import MLP, Weights, Workspace
 
 
 class SparseMoE:
-    def __init__(self, weights: Weights, layer: int, config: ModelConfig):
+    def __init__(self, weights: Weights, layer: int, d_model: int, config: MoEConfig):
         prefix = f"layers.{layer}"
-        d_model = config.count("hidden_size")
-        n_experts = config.count("num_experts")
-        self.top_k = config.count("num_experts_per_tok")
-        if self.top_k > n_experts:
-            raise config.error(f"config num_experts_per_tok {self.top_k} exceeds num_experts {n_experts}")
-        self.renormalise = config.flag("norm_topk_prob", True)
+        n_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.renormalise = config.norm_topk_prob
         router = f"{prefix}.mlp.gate.weight"
         if not weights.has(router):
             router = f"{prefix}.mlp.router.weight"
         self.router = weights.matrix(router, n_experts, d_model)      # kept float32
-        self.expert_hidden = config.count("moe_intermediate_size")
+        self.expert_hidden = config.moe_intermediate_size
         self.gate = weights.experts(f"{prefix}.ffn_gate_exps.weight", n_experts, self.expert_hidden, d_model)
         self.up = weights.experts(f"{prefix}.ffn_up_exps.weight", n_experts, self.expert_hidden, d_model)
         self.down = weights.experts(f"{prefix}.ffn_down_exps.weight", n_experts, d_model, self.expert_hidden)
         shared = f"{prefix}.mlp.shared_expert"
-        self.shared = (MLP(weights, shared, d_model, config.count("shared_expert_intermediate_size"))
-                       if weights.has(f"{shared}.gate_proj.weight") else None)
+        self.shared = None
+        if weights.has(f"{shared}.gate_proj.weight"):
+            if config.shared_expert_intermediate_size is None:
+                raise weights.error("config lacks shared_expert_intermediate_size")
+            self.shared = MLP(weights, shared, d_model, config.shared_expert_intermediate_size)
         gate_name = f"{prefix}.mlp.shared_expert_gate.weight"
         self.shared_gate = weights.matrix(gate_name, 1, d_model) if weights.has(gate_name) else None
 

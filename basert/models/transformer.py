@@ -7,7 +7,7 @@ from typing import Protocol
 import numpy as np
 
 from basert._ext import matmul as mm
-from basert.models.config import ModelConfig
+from basert.models.config import DecoderConfig, LinearAttentionConfig, Qwen35Config
 from basert.models.layers import Attention, Batch, KVTensors, RMSNorm, Weights, Workspace
 
 
@@ -20,17 +20,23 @@ class Layer(Protocol):
 class DecoderModel:
     """h = embed(tokens); h = layer_i(h) for each layer; logits = head(norm(h)) at the requested rows."""
 
-    def __init__(self, weights: Weights, config: ModelConfig, layers: list[Layer]):
-        self.hidden = config.count("hidden_size")
-        self.vocab = config.count("vocab_size")
+    def __init__(self, weights: Weights, config: DecoderConfig, layers: list[Layer]):
+        self.config = config
+        self.hidden = config.hidden_size
+        self.vocab = config.vocab_size
         self.embed = weights.matrix("embed_tokens.weight", self.vocab, self.hidden)
         head_name = "embed_tokens.weight" if not weights.has("lm_head.weight") else "lm_head.weight"
         self.head = weights.matrix(head_name, self.vocab, self.hidden)
-        self.final_norm = RMSNorm(weights, "final_norm.weight", self.hidden, config.number("rms_norm_eps"))
+        self.final_norm = RMSNorm(weights, "final_norm.weight", self.hidden, config.rms_norm_eps)
         self.layers = layers
         # Attention layers keep KV blocks, the others a recurrent state.
         self.n_attention_layers = sum(isinstance(layer.mixer, Attention) for layer in layers)
         self.n_linear_layers = len(layers) - self.n_attention_layers
+
+    @property
+    def linear_attention(self) -> LinearAttentionConfig | None:
+        """The sizes of the Gated DeltaNet layers' recurrent state; None for attention-only models."""
+        return self.config.linear_attention if isinstance(self.config, Qwen35Config) else None
 
     def forward(self, batch: Batch, kv: KVTensors, ws: Workspace, logit_rows: np.ndarray) -> np.ndarray:
         """Run all layers over the batch; logits [len(logit_rows), vocab] for the given rows (a view of

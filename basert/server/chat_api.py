@@ -6,12 +6,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from basert.actor.messages import Done, Tokens
 from basert.chat.encoder import ChatEncoder
 from basert.chat.reasoning import ReasoningParser, opens_in_prompt
 from basert.chat.tool_calls import ToolCallParser, inject_tool_prompt, make_tool_parser
-from basert.engine.engine import common_prefix
 from basert.engine.sampler import TokenLogprob
+from basert.engine.slots import common_prefix
+from basert.engine.types import FinishEvent, TokenEvent
 from basert.server.catalog import ServedModel
 from basert.server.errors import invalid
 from basert.server.generation import (
@@ -46,7 +46,7 @@ class RequestRecord:
     finish_reason: str = ""
     timed_out: bool = False
 
-    def absorb(self, done_list: list[Done]) -> None:
+    def absorb(self, done_list: list[FinishEvent]) -> None:
         if not done_list:
             return
         first = done_list[0]
@@ -206,7 +206,7 @@ def chat_states(model: ServedModel, plan: ChatPlan, n: int) -> list[ChatChoiceSt
     ]
 
 
-def finish_reason_of(done: Done, state: ChatChoiceState) -> str:
+def finish_reason_of(done: FinishEvent, state: ChatChoiceState) -> str:
     if state.tool_calls and done.finish_reason == "stop":
         return "tool_calls"
     return done.finish_reason
@@ -235,9 +235,9 @@ async def chat_completion(model: ServedModel, body: ChatCompletionRequest, limit
         for index in range(len(requests)):
             state = states[index]
             async for reply in choices.replies(index):
-                if isinstance(reply, Tokens):
-                    state.ids += reply.ids
-                    state.logprobs += reply.logprobs
+                if isinstance(reply, TokenEvent):
+                    state.ids.append(reply.token_id)
+                    state.logprobs.append(reply.logprob)
                     state.feed(reply.text)
                 else:
                     state.feed(reply.text)
@@ -258,9 +258,9 @@ async def chat_completion(model: ServedModel, body: ChatCompletionRequest, limit
                   "logprobs": chat_logprobs(model, state.ids, state.logprobs) if want_logprobs else None}
         out_choices.append(choice)
     return {
-        "id": response_id, "object": "chat.completion", "created": created, "model": model.model_id,
+        "id": response_id, "object": "chat.completion", "created": created, "model": model.info.id,
         "choices": out_choices, "usage": usage_body(len(plan.prompt), done_list),
-        "timings": timings_body(done_list), "system_fingerprint": model.actor.engine.runner.fingerprint,
+        "timings": timings_body(done_list), "system_fingerprint": model.info.fingerprint,
     }
 
 
@@ -268,8 +268,8 @@ async def stream_chat(model: ServedModel, body: ChatCompletionRequest, choices: 
                       states: list[ChatChoiceState], response_id: str, created: int,
                       record: RequestRecord) -> AsyncIterator[bytes]:
     want_logprobs = body.logprobs or body.top_logprobs > 0
-    base = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model.model_id,
-            "system_fingerprint": model.actor.engine.runner.fingerprint}
+    base = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model.info.id,
+            "system_fingerprint": model.info.fingerprint}
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
         return sse({**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish,
@@ -285,14 +285,14 @@ async def stream_chat(model: ServedModel, body: ChatCompletionRequest, choices: 
             out.append({"tool_calls": [d.to_openai() for d in tool_deltas]})
         return out
 
-    done_list: list[Done] = []
+    done_list: list[FinishEvent] = []
     try:
         for index in range(len(choices.requests)):
             state = states[index]
             yield chunk(index, {"role": "assistant", "content": ""})
             async for reply in choices.replies(index):
-                if isinstance(reply, Tokens):
-                    logprobs = chat_logprobs(model, reply.ids, reply.logprobs) if want_logprobs else None
+                if isinstance(reply, TokenEvent):
+                    logprobs = chat_logprobs(model, [reply.token_id], [reply.logprob]) if want_logprobs else None
                     parts = deltas_of(*state.feed(reply.text))
                     for part in parts:
                         yield chunk(index, part, logprobs=logprobs)
@@ -350,9 +350,9 @@ async def completion(model: ServedModel, body: CompletionRequest, limits: Server
             text, choice_ids, choice_lps = echo_text[index], [], []
             async for reply in choices.replies(index):
                 text += reply.text
-                if isinstance(reply, Tokens):
-                    choice_ids += reply.ids
-                    choice_lps += reply.logprobs
+                if isinstance(reply, TokenEvent):
+                    choice_ids.append(reply.token_id)
+                    choice_lps.append(reply.logprob)
                 else:
                     done_list.append(reply)
             texts.append(text)
@@ -366,29 +366,29 @@ async def completion(model: ServedModel, body: CompletionRequest, limits: Server
         out.append({"index": index, "text": text, "finish_reason": done.finish_reason,
                     "logprobs": completion_logprobs(model, ids[index], lps[index], len(echo_text[index]))
                     if want_logprobs else None})
-    return {"id": response_id, "object": "text_completion", "created": created, "model": model.model_id,
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model.info.id,
             "choices": out, "usage": usage_body(record.prompt_tokens, done_list),
-            "timings": timings_body(done_list), "system_fingerprint": model.actor.engine.runner.fingerprint}
+            "timings": timings_body(done_list), "system_fingerprint": model.info.fingerprint}
 
 
 async def stream_completion(model: ServedModel, body: CompletionRequest, choices: ChoiceSet, response_id: str,
                             created: int, echo_text: list[str], record: RequestRecord) -> AsyncIterator[bytes]:
-    base = {"id": response_id, "object": "text_completion", "created": created, "model": model.model_id}
-    done_list: list[Done] = []
+    base = {"id": response_id, "object": "text_completion", "created": created, "model": model.info.id}
+    done_list: list[FinishEvent] = []
     try:
         for index in range(len(choices.requests)):
             if echo_text[index]:
                 yield sse({**base, "choices": [{"index": index, "text": echo_text[index], "finish_reason": None,
                                                 "logprobs": None}]})
             async for reply in choices.replies(index):
-                finish = reply.finish_reason if isinstance(reply, Done) else None
+                finish = reply.finish_reason if isinstance(reply, FinishEvent) else None
                 logprobs = None
-                if isinstance(reply, Tokens) and body.logprobs is not None:
-                    logprobs = completion_logprobs(model, reply.ids, reply.logprobs, 0)
+                if isinstance(reply, TokenEvent) and body.logprobs is not None:
+                    logprobs = completion_logprobs(model, [reply.token_id], [reply.logprob], 0)
                 if reply.text or finish or logprobs:
                     yield sse({**base, "choices": [{"index": index, "text": reply.text, "finish_reason": finish,
                                                     "logprobs": logprobs}]})
-                if isinstance(reply, Done):
+                if isinstance(reply, FinishEvent):
                     done_list.append(reply)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield sse({**base, "choices": [], "usage": usage_body(record.prompt_tokens, done_list),

@@ -7,6 +7,8 @@ import uuid
 
 from pydantic import ValidationError
 
+from basert.errors import BaseRTError
+
 log = logging.getLogger("basert.server")
 
 
@@ -58,44 +60,21 @@ def internal_error(exc: BaseException) -> ApiError:
 
 def to_api_error(exc: BaseException) -> ApiError:
     """Map any exception raised while serving a request to its envelope (unknown ones are 500s)."""
-    from basert.actor.actor import QueueTimeoutError, ServerBusyError, SlotNotFoundError, SlotOutOfRangeError
-    from basert.chat.grammar import GrammarError
-    from basert.chat.template import ChatTemplateError
-    from basert.engine.engine import KVCacheTooSmallError
-    from basert.engine.kv import OutOfBlocksError
-    from basert.engine.runner import ContextOverflowError
-    from basert.engine.sampler import SamplingError
-    from basert.engine.snapshot import SnapshotError
-    from basert.format.atomic import StorageError
-    from basert.server.files import FileNotFoundInStoreError, StoreFullError, UnsafeFilenameError
-    from basert.tokenizer import TokenizerError
-
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())) or None
         return invalid(f"{param}: {first.get('msg', 'invalid value')}" if param else str(exc), param)
-    if isinstance(exc, ContextOverflowError):
-        return ApiError(400, f"This model's maximum context length is {exc.n_ctx} tokens; the request has "
-                        f"{exc.n_tokens} prompt tokens.", code="context_length_exceeded", param="messages",
-                        extra={"n_prompt_tokens": exc.n_tokens, "n_ctx": exc.n_ctx})
-    if isinstance(exc, (SamplingError, GrammarError, ChatTemplateError, TokenizerError)):
-        return invalid(str(exc))
-    if isinstance(exc, SlotOutOfRangeError):
-        return invalid(str(exc), "id_slot")
-    if isinstance(exc, ServerBusyError):
-        return unavailable(str(exc), "server_busy", exc.retry_after)
-    if isinstance(exc, QueueTimeoutError):
-        return unavailable(str(exc), "queue_timeout", exc.retry_after)
-    if isinstance(exc, StorageError):
-        return ApiError(507, str(exc), type="server_error", code="insufficient_storage")
-    if isinstance(exc, SlotNotFoundError):
-        return not_found(str(exc), "slot_not_found")
-    if isinstance(exc, FileNotFoundInStoreError):
-        return not_found(str(exc), "file_not_found")
-    if isinstance(exc, (SnapshotError, UnsafeFilenameError, StoreFullError, KVCacheTooSmallError)):
-        return invalid(str(exc))
-    if isinstance(exc, OutOfBlocksError):
-        return unavailable(f"the KV cache is full ({exc}); retry when running requests finish", "kv_cache_full", 1)
+    if isinstance(exc, BaseRTError):
+        return declared_error(exc)
     return internal_error(exc)
+
+
+def declared_error(exc: BaseRTError) -> ApiError:
+    """The envelope an error declares through its class attributes; a declared 500 is a server fault."""
+    if exc.status == 500:
+        return internal_error(exc)
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else {}
+    return ApiError(exc.status, exc.client_message(), type=exc.error_type, code=exc.code, param=exc.param,
+                    extra=exc.extra(), headers=headers)

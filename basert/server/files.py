@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from basert.errors import InvalidRequestError, NotFoundError
 from basert.format.atomic import atomic_file, fsync_directory, remove_leftovers, stale_temp_files, storage_errors
 
 MAX_FILENAME_LENGTH = 255
@@ -28,19 +29,21 @@ _ID_PATTERN = re.compile(r"file-[0-9a-f]{24}")
 _PARTIAL_PATTERN = re.compile(r"\.slot-[0-9a-f]{32}\.partial")  # the names new_partial_path gives
 
 
-class UnsafeFilenameError(ValueError):
+class UnsafeFilenameError(InvalidRequestError, ValueError):
     """A filename that is not a single safe path component, or that leads outside its directory."""
 
 
-class FileNotFoundInStoreError(LookupError):
+class FileNotFoundInStoreError(NotFoundError, LookupError):
     """No stored file has this id (or the id is malformed)."""
+
+    code = "file_not_found"
 
     def __init__(self, file_id: str):
         super().__init__(f"No such file: {file_id!r}")
         self.file_id = file_id
 
 
-class StoreFullError(ValueError):
+class StoreFullError(InvalidRequestError, ValueError):
     """Storing a file would take the store beyond `--files-max-bytes`."""
 
     def __init__(self, size: int, used: int, limit: int):

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import trio
 
-from basert.actor.messages import Cancel, Done, Failed, Generate, Tokens
-from basert.engine.engine import GenerationRequest
+from basert.actor.messages import Cancel, Generate
 from basert.engine.runner import ContextOverflowError
 from basert.engine.sampler import SamplingParams, TokenLogprob
+from basert.engine.types import FailEvent, FinishEvent, GenerationRequest, TokenEvent
 from basert.server.catalog import ServedModel
 from basert.server.errors import ApiError, invalid
 from basert.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -41,8 +41,8 @@ def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int],
                     limits: ServerLimits, *, logprobs: bool, top_logprobs: int, constraint_factory=None,
                     id_prefix: str, segment_ends: tuple[int, ...] = ()) -> list[GenerationRequest]:
     """One GenerationRequest per choice (each with its own sampler seed and grammar matcher)."""
-    if len(prompt) + 1 > model.n_ctx:
-        raise ContextOverflowError(len(prompt), model.n_ctx)
+    if len(prompt) + 1 > model.info.n_ctx:
+        raise ContextOverflowError(len(prompt), model.info.n_ctx)
     if not prompt:
         raise invalid("the prompt is empty", "prompt")
     budget = max_tokens or limits.default_max_tokens
@@ -50,7 +50,7 @@ def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int],
     requests = []
     for choice in range(body.n):
         params = sampling_params(body, choice, logprobs, top_logprobs)
-        params.validate(model.actor.engine.runner.vocab_size)
+        params.validate(model.info.vocab_size)
         requests.append(GenerationRequest(
             request_id=f"{id_prefix}-{choice}",
             prompt=prompt,
@@ -77,7 +77,7 @@ class ChoiceSet:
         self.requests = requests
         self.channels: list[trio.MemoryReceiveChannel] = []
         self.finished = [False] * len(requests)
-        self._first: Tokens | Done | None = None   # the first choice's first reply, once `started` saw it
+        self._first: TokenEvent | FinishEvent | None = None   # the first choice's first reply, once `started` saw it
 
     async def submit(self, slot_hint: int | None) -> None:
         """Send every choice to the model; the first goes to slot `slot_hint` (None or -1: any slot)."""
@@ -100,7 +100,7 @@ class ChoiceSet:
             self.close()
             raise
 
-    async def replies(self, index: int) -> AsyncIterator[Tokens | Done]:
+    async def replies(self, index: int) -> AsyncIterator[TokenEvent | FinishEvent]:
         """Replies of one choice until it is done; a failure is raised."""
         if index == 0 and self._first is not None:
             reply, self._first = self._first, None
@@ -113,14 +113,14 @@ class ChoiceSet:
                 return
         self._checked(index, None)
 
-    def _checked(self, index: int, reply: Tokens | Done | Failed | None) -> Tokens | Done:
+    def _checked(self, index: int, reply: TokenEvent | FinishEvent | FailEvent | None) -> TokenEvent | FinishEvent:
         if reply is None and not self.finished[index]:
             self.finished[index] = True
             raise RuntimeError("the model stopped before the request finished")
-        if isinstance(reply, Failed):
+        if isinstance(reply, FailEvent):
             self.finished[index] = True
             raise reply.error
-        if isinstance(reply, Done):
+        if isinstance(reply, FinishEvent):
             self.finished[index] = True
         return reply
 
@@ -136,7 +136,7 @@ class ChoiceSet:
             channel.close()
 
 
-def usage_body(prompt_tokens: int, done_list: list[Done]) -> dict:
+def usage_body(prompt_tokens: int, done_list: list[FinishEvent]) -> dict:
     completion = sum(d.usage.completion_tokens for d in done_list)
     cached = done_list[0].usage.cached_tokens if done_list else 0
     return {
@@ -147,7 +147,7 @@ def usage_body(prompt_tokens: int, done_list: list[Done]) -> dict:
     }
 
 
-def timings_body(done_list: list[Done]) -> dict:
+def timings_body(done_list: list[FinishEvent]) -> dict:
     if not done_list:
         return {}
     first = done_list[0]
@@ -226,6 +226,6 @@ def max_tokens_of(body: ChatCompletionRequest | CompletionRequest) -> int | None
 
 
 def check_prompt_ids(model: ServedModel, prompt: list[int]) -> None:
-    vocab = model.actor.engine.runner.vocab_size
+    vocab = model.info.vocab_size
     if any(not 0 <= t < vocab for t in prompt):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from quart import request
+
 from basert.server.errors import invalid
 
 # Deeper than any real request; deep enough structures would exhaust the stack of recursive code later.
@@ -22,6 +24,11 @@ def parse_json_object(raw: bytes) -> dict:
         raise invalid("request body must be a JSON object")
     check_json_value(body)
     return body
+
+
+async def request_json() -> dict:
+    """The current request's body as a JSON object, or a 400."""
+    return parse_json_object(await request.get_data())
 
 
 def check_json_value(value: object) -> None:

@@ -1,4 +1,4 @@
-"""Engine lanes with a shared KV pool, the prefix cache and continuous batching, on real models (no HTTP).
+"""Engine slots with a shared KV pool, the prefix cache and continuous batching, on real models (no HTTP).
 
 Every request's greedy tokens must equal its tokens on a fresh engine, whatever ran before or beside it,
 whether its prefix came from the cache, and whether it was preempted for lack of blocks.
@@ -11,24 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from basert.actor.scheduler import plan_step
-from basert.engine.engine import Engine, FailEvent, FinishEvent, GenerationRequest, TokenEvent
+from basert.engine import EngineOptions, build_engine
+from basert.engine.engine import Engine
 from basert.engine.kv import BLOCK_SIZE
-from basert.engine.prefix_cache import PrefixCache
-from basert.engine.runner import ModelRunner
 from basert.engine.sampler import SamplingParams
+from basert.engine.types import FailEvent, FinishEvent, GenerationRequest, StepPlan, TokenEvent
 
 MAX_TOKENS = 6
 
 
-def make_engine(path: Path, *, lanes: int = 1, cache: bool = False, kv_tokens: int | None = None) -> Engine:
-    runner = ModelRunner(path, max_context=512, max_sequences=lanes, kv_dtype=np.float16,
-                         kv_blocks=None if kv_tokens is None else kv_tokens // BLOCK_SIZE)
-    prefix_cache = None
-    if cache:
-        prefix_cache = PrefixCache(runner.pool, runner.fingerprint, recurrent=runner.n_linear_layers > 0,
-                                   snapshot_cost_blocks=1)
-    return Engine(runner, None, n_lanes=lanes, prefix_cache=prefix_cache)
+def make_engine(path: Path, *, slots: int = 1, cache: bool = False, kv_tokens: int | None = None) -> Engine:
+    return build_engine(path, EngineOptions(max_context=512, n_slots=slots, continuous_batching=True,
+                                            kv_cache_tokens=kv_tokens, prefix_cache=cache))
 
 
 def request(rid: str, prompt: list[int], segment_ends: tuple[int, ...] = ()) -> GenerationRequest:
@@ -37,25 +31,18 @@ def request(rid: str, prompt: list[int], segment_ends: tuple[int, ...] = ()) -> 
 
 
 def run(engine: Engine, batches: list[list[GenerationRequest]],
-        plans: list | None = None) -> dict[str, tuple[list[int], int]]:
-    """Each batch is admitted together (as lanes free up); returns tokens and cached_tokens per request."""
+        plans: list[StepPlan] | None = None) -> dict[str, tuple[list[int], int]]:
+    """Each batch is admitted together (as slots free up); returns tokens and cached_tokens per request."""
     out: dict[str, tuple[list[int], int]] = {}
     tokens: dict[str, list[int]] = {}
     for batch in batches:
-        queue = list(batch)
-        while queue or engine.has_work:
-            while queue and (lane := engine.free_lane(queue[0].prompt)) is not None:
-                engine.admit(queue.pop(0), lane)
-            plan = plan_step(engine.prepare_step(), engine.available_blocks())
-            if plans is not None:
-                plans.append(plan)
-            for event in engine.step(plan):
-                if isinstance(event, TokenEvent):
-                    tokens.setdefault(event.request_id, []).append(event.token_id)
-                elif isinstance(event, FinishEvent):
-                    out[event.request_id] = (tokens.get(event.request_id, []), event.usage.cached_tokens)
-                elif isinstance(event, FailEvent):
-                    raise event.error
+        for event in engine.generate(batch, plans):
+            if isinstance(event, TokenEvent):
+                tokens.setdefault(event.request_id, []).append(event.token_id)
+            elif isinstance(event, FinishEvent):
+                out[event.request_id] = (tokens.get(event.request_id, []), event.usage.cached_tokens)
+            elif isinstance(event, FailEvent):
+                raise event.error
     return out
 
 
@@ -80,18 +67,18 @@ def fresh(model_path: Path):
         if key not in cache:
             engine = make_engine(model_path)
             cache[key] = run(engine, [[request("fresh", prompt)]])["fresh"][0]
-            engine.runner.close()
+            engine.close()
         return cache[key]
     return answer
 
 
 def test_prefix_cache_hits_and_outputs_equal_fresh(model_path: Path, fresh):
-    engine = make_engine(model_path, lanes=1, cache=True)
-    batch = prompts(engine.runner.vocab_size)
+    engine = make_engine(model_path, slots=1, cache=True)
+    batch = prompts(engine.info.vocab_size)
     results = run(engine, [[request(f"r{i}", p, segment_ends=(100,))] for i, p in enumerate(batch)])
     for i, p in enumerate(batch):
         assert results[f"r{i}"][0] == fresh(p), f"request {i}"
-    # The later requests reuse the shared 100 tokens from the lane's own history: a dense lane truncates it
+    # The later requests reuse the shared 100 tokens from the slot's own history: a dense slot truncates it
     # mid-block, a hybrid resumes from the checkpoint it kept at the segment end.
     assert [results[f"r{i}"][1] for i in range(1, 4)] == [100] * 3
     stats = engine.prefix_cache.stats()
@@ -99,22 +86,22 @@ def test_prefix_cache_hits_and_outputs_equal_fresh(model_path: Path, fresh):
 
 
 def test_continuous_batching_with_prefix_cache_equals_fresh(model_path: Path, fresh):
-    engine = make_engine(model_path, lanes=4, cache=True)
-    batch = prompts(engine.runner.vocab_size)
+    engine = make_engine(model_path, slots=4, cache=True)
+    batch = prompts(engine.info.vocab_size)
     warm = run(engine, [[request("warm", batch[0], segment_ends=(100,))]])
     results = run(engine, [[request(f"r{i}", p, segment_ends=(100,)) for i, p in enumerate(batch)]])
     assert warm["warm"][0] == fresh(batch[0])
     for i, p in enumerate(batch):
         assert results[f"r{i}"][0] == fresh(p), f"request {i}"
-    # The resent warm prompt lands on the warm lane (its own history: all but the last token); the three
+    # The resent warm prompt lands on the warm slot (its own history: all but the last token); the three
     # others start from the cache, whose hits end on a block boundary (hybrid: on the snapshot stored there).
     assert sorted(cached for _, cached in results.values()) == [96, 96, 96, len(batch[0]) - 1]
 
 
 def test_a_small_paged_pool_preempts_and_still_equals_fresh(model_path: Path, fresh):
-    # 4 lanes but blocks for about two prompts: requests wait, get preempted and recompute.
-    engine = make_engine(model_path, lanes=4, kv_tokens=18 * BLOCK_SIZE)
-    batch = prompts(engine.runner.vocab_size, shared=100, suffix=27)
+    # 4 slots but blocks for about two prompts: requests wait, get preempted and recompute.
+    engine = make_engine(model_path, slots=4, kv_tokens=18 * BLOCK_SIZE)
+    batch = prompts(engine.info.vocab_size, shared=100, suffix=27)
     plans = []
     results = run(engine, [[request(f"r{i}", p) for i, p in enumerate(batch)]], plans)
     for i, p in enumerate(batch):
@@ -123,11 +110,11 @@ def test_a_small_paged_pool_preempts_and_still_equals_fresh(model_path: Path, fr
     assert max(len(plan.chunks) for plan in plans) >= 2
 
 
-def test_a_lane_never_writes_into_a_cached_block(model_path: Path, fresh):
-    engine = make_engine(model_path, lanes=1, cache=True)
-    vocab = engine.runner.vocab_size
+def test_a_slot_never_writes_into_a_cached_block(model_path: Path, fresh):
+    engine = make_engine(model_path, slots=1, cache=True)
+    vocab = engine.info.vocab_size
     base = prompts(vocab, shared=40, suffix=0, n=1)[0]
-    # Second prompt diverges in the middle of the second block: the lane's own history is cut mid-block.
+    # Second prompt diverges in the middle of the second block: the slot's own history is cut mid-block.
     other = base[:20] + [(base[20] + 1) % vocab] + base[21:]
     results = run(engine, [[request("a", base)], [request("b", other)], [request("a2", base)]])
     assert results["a"][0] == fresh(base)
@@ -136,14 +123,14 @@ def test_a_lane_never_writes_into_a_cached_block(model_path: Path, fresh):
 
 
 def test_prompt_larger_than_the_pool_is_refused(model_path: Path):
-    engine = make_engine(model_path, lanes=1, kv_tokens=4 * BLOCK_SIZE)
+    engine = make_engine(model_path, slots=1, kv_tokens=4 * BLOCK_SIZE)
     with pytest.raises(ValueError, match="KV cache"):
-        engine.admit(request("big", list(range(5 * BLOCK_SIZE))), engine.lanes[0])
+        engine.admit(request("big", list(range(5 * BLOCK_SIZE))), engine.slots[0])
 
 
 def test_concurrent_requests_compute_a_common_prefix_once(model_path: Path, fresh):
-    engine = make_engine(model_path, lanes=4, cache=True)
-    batch = prompts(engine.runner.vocab_size, shared=200)
+    engine = make_engine(model_path, slots=4, cache=True)
+    batch = prompts(engine.info.vocab_size, shared=200)
     plans = []
     results = run(engine, [[request(f"r{i}", p, segment_ends=(200,)) for i, p in enumerate(batch)]], plans)
     for i, p in enumerate(batch):

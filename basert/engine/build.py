@@ -1,0 +1,117 @@
+"""build_engine: everything a served model needs, wired in one place.
+
+From a .base path and `EngineOptions` it opens the model (`ModelRunner`: weights, KV pool), its tokenizer,
+the prefix cache and the path of its file, and describes the result in a `ModelInfo`. The server, the
+Python API, the CLI, the tools and the tests all build engines here, so they all run the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from basert.engine.engine import Engine
+from basert.engine.info import ModelInfo
+from basert.engine.kv import blocks_for
+from basert.engine.prefix_cache import PrefixCache
+from basert.engine.runner import ModelRunner
+from basert.engine.saved_state import prefix_cache_file
+from basert.engine.scheduler import DEFAULT_TOKEN_BUDGET
+from basert.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """How to load and run one model (the engine's part of `basert serve`'s flags)."""
+
+    max_context: int = 4096             # tokens per slot
+    n_slots: int = 1
+    continuous_batching: bool = False   # every slot generates at once; else one request at a time
+    paged_kv: bool = False              # one shared pool of KV blocks; else each slot reserves max_context
+    kv_cache_tokens: int | None = None  # size of the paged pool (default: n_slots x max_context)
+    kv_bits: int = 16                   # KV element width: 16 or 32
+    threads: int | None = None          # default: every core this process may run on
+    prefix_cache: bool = False
+    prefix_cache_file: Path | None = None  # PATH: the cache persists in PATH.<model id>
+    verify_checksums: bool = True
+    model_id: str | None = None         # default: org/name inside the models directory, else the file stem
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+
+    def resolved(self) -> EngineOptions:
+        """The options with their implications applied: a cache file implies the prefix cache; the prefix
+        cache, continuous batching and a pool size imply paged KV."""
+        prefix_cache = self.prefix_cache or self.prefix_cache_file is not None
+        paged = self.paged_kv or prefix_cache or self.continuous_batching or self.kv_cache_tokens is not None
+        return replace(self, prefix_cache=prefix_cache, paged_kv=paged)
+
+    def check(self) -> None:
+        """Raise ValueError naming the first option that cannot work."""
+        if self.max_context < 2:
+            raise ValueError("max_context must be at least 2")
+        if self.n_slots < 1:
+            raise ValueError("n_slots must be at least 1")
+        if self.kv_bits not in (16, 32):
+            raise ValueError("kv_bits must be 16 or 32")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 16:
+            raise ValueError("kv_cache_tokens must be at least 16 (one block)")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be at least 1")
+        if self.token_budget < 1:
+            raise ValueError("token_budget must be at least 1")
+
+
+def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> Engine:
+    """Open a .base model and wire its engine; raises ModelValidationError for a file that cannot serve,
+    ValueError for options that cannot work."""
+    options = options.resolved()
+    options.check()
+    path = Path(path)
+    kv_blocks = blocks_for(options.kv_cache_tokens) if options.paged_kv and options.kv_cache_tokens else None
+    runner = ModelRunner(path, max_context=options.max_context, threads=options.threads,
+                         max_sequences=options.n_slots, kv_blocks=kv_blocks,
+                         kv_dtype=np.float16 if options.kv_bits == 16 else np.float32,
+                         verify_checksums=options.verify_checksums)
+    try:
+        tokenizer_object = runner.base.tokenizer
+        tokenizer = None
+        if tokenizer_object.get("tokenizer_type") != "none":
+            tokenizer = Tokenizer.from_object(tokenizer_object)
+        header_name = (runner.base.header.get("metadata") or {}).get("general.name")
+        model_id = options.model_id or model_id_for(path, header_name)
+        prefix_cache = None
+        if options.prefix_cache:
+            # A hybrid's state snapshot is charged against the pool as the blocks its bytes would fill (one
+            # block when the blocks hold no KV: a model without attention layers).
+            block_nbytes = runner.kv.block_nbytes
+            snapshot_cost = -(-runner.recurrent_state_nbytes // block_nbytes) if block_nbytes else 1
+            prefix_cache = PrefixCache(runner.pool, runner.fingerprint, recurrent=runner.n_linear_layers > 0,
+                                       snapshot_cost_blocks=snapshot_cost)
+        features = {name for name, on in (("continuous_batching", options.continuous_batching),
+                                          ("paged_kv", options.paged_kv),
+                                          ("prefix_cache", options.prefix_cache),
+                                          ("prefix_cache_file", options.prefix_cache_file is not None)) if on}
+        info = ModelInfo(id=model_id, path=path, arch=runner.arch, vocab_size=runner.vocab_size,
+                         n_ctx=options.max_context, fingerprint=runner.fingerprint,
+                         hybrid=runner.n_linear_layers > 0, n_slots=options.n_slots, features=frozenset(features))
+        cache_file = prefix_cache_file(options.prefix_cache_file, model_id) if options.prefix_cache_file else None
+        return Engine(runner, tokenizer, info, prefix_cache=prefix_cache, prefix_cache_file=cache_file,
+                      max_running=options.n_slots if options.continuous_batching else 1,
+                      token_budget=options.token_budget)
+    except BaseException:
+        runner.close()
+        raise
+
+
+def model_id_for(path: Path, header_name: str | None) -> str:
+    """`org/name` for `<models dir>/<org>/<name>/<variant>/model.base`, else the header's name or file stem."""
+    from basert.models_dir import MODEL_FILE_NAME, models_dir
+
+    try:
+        relative = path.resolve().relative_to(models_dir().resolve())
+    except ValueError:
+        relative = None
+    if relative is not None and len(relative.parts) == 4 and relative.name == MODEL_FILE_NAME:
+        return f"{relative.parts[0]}/{relative.parts[1]}"
+    return header_name or path.stem

@@ -1,0 +1,28 @@
+"""ModelInfo: the facts about a loaded model that the layers above the engine may read.
+
+The server, the CLI and the Python API read these instead of reaching into the engine's runner, lanes or
+caches, so the engine can change its insides without breaking them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a served model is and what it can do, fixed when its engine is built."""
+
+    id: str                      # the name clients use (org/name for installed models)
+    path: Path                   # the .base file
+    arch: str                    # the header's architecture, e.g. "llama", "qwen35"
+    vocab_size: int
+    n_ctx: int                   # the context window of each slot, in tokens
+    fingerprint: str             # xxh64 of the .base header: changes with any weight or config change
+    hybrid: bool                 # has recurrent (Gated DeltaNet) layers: state is kept at chat-segment ends
+    n_slots: int
+    features: frozenset[str] = frozenset()  # "continuous_batching", "paged_kv", "prefix_cache", "prefix_cache_file"
+
+    def has(self, feature: str) -> bool:
+        return feature in self.features

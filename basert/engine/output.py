@@ -1,0 +1,93 @@
+"""Per-request output handling: generated tokens to text, stop strings, limits, deadline and timings.
+
+The engine samples a token and hands it to the request's `RequestOutput`, which says whether the
+generation ends there (and why) and which text is final: text that could still turn out to be the start of
+a stop string is held back until it is resolved.
+"""
+
+from __future__ import annotations
+
+import time
+
+from basert.engine.detokenizer import IncrementalDetokenizer
+from basert.engine.types import GenerationRequest, Timings, Usage
+from basert.tokenizer import Tokenizer
+
+
+class RequestOutput:
+    """The output side of one running request."""
+
+    __slots__ = ("request", "detokenizer", "generated", "text", "released", "cached_tokens", "started",
+                 "prefill_started", "prefill_done", "first_token_at", "timed_out", "stopped_by_string")
+
+    def __init__(self, request: GenerationRequest, tokenizer: Tokenizer | None, cached_tokens: int):
+        self.request = request
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.generated: list[int] = []
+        self.text = ""
+        self.released = 0               # characters of text already handed out
+        self.cached_tokens = cached_tokens
+        self.started = time.monotonic()  # admitted
+        self.prefill_started = 0.0       # first prompt chunk fed (after waiting for blocks or a shared prefix)
+        self.prefill_done = 0.0
+        self.first_token_at = 0.0
+        self.timed_out = False
+        self.stopped_by_string = False
+
+    def add(self, token: int, context_full: bool, now: float) -> str | None:
+        """Append a generated token (not an end-of-sequence); the finish reason it causes, or None."""
+        request = self.request
+        self.generated.append(token)
+        if self.detokenizer is not None:
+            self.text += self.detokenizer.push(token)
+        if request.constraint is not None and request.constraint.is_finished:
+            return "stop"
+        if self._hit_stop_string():
+            self.stopped_by_string = True
+            return "stop"
+        if len(self.generated) >= request.max_tokens or context_full:
+            return "length"
+        if request.deadline is not None and now >= request.deadline:
+            self.timed_out = True
+            return "length"
+        return None
+
+    def releasable(self) -> str:
+        """Text that can no longer become part of a stop string, not handed out before."""
+        hold = 0
+        for stop in self.request.stop:
+            for size in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:size]):
+                    hold = max(hold, size)
+                    break
+        end = len(self.text) - hold
+        if end <= self.released:
+            return ""
+        piece = self.text[self.released:end]
+        self.released = end
+        return piece
+
+    def close(self, now: float) -> tuple[str, Usage, Timings]:
+        """The text still held back (with an unfinished character's bytes as U+FFFD), usage and timings."""
+        if self.detokenizer is not None and not self.stopped_by_string:
+            self.text += self.detokenizer.flush()
+        tail = self.text[self.released:]
+        self.released = len(self.text)
+        prompt = self.request.prompt
+        prefill_end = self.prefill_done or now
+        timings = Timings(
+            prompt_n=len(prompt) - self.cached_tokens,
+            prompt_ms=1000 * (prefill_end - (self.prefill_started or self.started)),
+            predicted_n=len(self.generated),
+            predicted_ms=1000 * (now - prefill_end),
+            ttft_ms=1000 * ((self.first_token_at or now) - self.started),
+        )
+        return tail, Usage(len(prompt), self.cached_tokens, len(self.generated)), timings
+
+    def _hit_stop_string(self) -> bool:
+        for stop in self.request.stop:
+            at = self.text.find(stop, max(0, self.released - len(stop)))
+            if at >= 0:
+                self.text = self.text[:at]
+                return True
+        return False

@@ -1,0 +1,333 @@
+"""Saved engine state: slot snapshots and prefix cache files. No other module writes or reads either.
+
+Both are framed files (`basert.format.framed`: magic, u32 version, u32 header length, UTF-8 JSON header),
+the payload little-endian after the header. Both headers hold the `StateLayout` of the model that wrote
+them (keys fingerprint, kv_dtype, n_attention_layers, n_kv_heads, head_dim, conv_shape, ssm_shape; the
+shapes are null for a model without linear-attention layers). Both are written atomically (temp file,
+fsync, rename): a disk error raises StorageError and leaves the previous file as it was. A file is read
+only into a model of the same layout, and only once every length in it has been checked against the
+file's size: a refused file changes nothing.
+
+Slot snapshot, magic `BSLT`, version 2: one slot's tokens, the KV of its used positions and its
+recurrent states. Header: the layout, arch, n_tokens, and checkpoints (the token counts of the slot's
+checkpoints, ascending; hybrids only). Payload: int32 tokens[n_tokens]; per attention layer K then V as
+[n_tokens, n_kv_heads, head_dim] in the KV element type; then (hybrids) the float32 conv and ssm states
+of the slot, then the conv and ssm states of each checkpoint in order.
+
+Prefix cache file, magic `BPXC`, version 1: one model's cached blocks and hybrid snapshots, beside the
+configured path as `PATH.<model id with "/" replaced by "--">`. Header: block_size, the layout, n_blocks
+and n_snapshots. Payload: u64 keys[n_blocks], u64 parents[n_blocks], int32 tokens[n_blocks, block_size];
+per attention layer K then V as [n_blocks, n_kv_heads, block_size, head_dim]; then u64
+snapshot_keys[n_snapshots], float32 conv[n_snapshots, ...] and float32 ssm[n_snapshots, ...]. A load
+first removes the temp files of killed saves and checks every block against its key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from basert.engine.kv import BLOCK_SIZE, blocks_for
+from basert.engine.prefix_cache import PrefixCache
+from basert.engine.runner import ModelRunner
+from basert.engine.sequence import RECURRENT_DTYPE, RecurrentState
+from basert.engine.slots import MAX_SLOT_CHECKPOINTS, Checkpoint, Slot, Slots
+from basert.errors import InvalidRequestError
+from basert.format.atomic import atomic_file, remove_stale_temp_files, storage_errors
+from basert.format.framed import read_frame, write_frame
+
+TOKEN_DTYPE = np.dtype(np.int32)
+KEY_DTYPE = np.dtype(np.uint64)
+
+
+class SnapshotError(InvalidRequestError, ValueError):
+    """A snapshot file cannot be restored into this model: the message says why."""
+
+
+class PrefixCacheFileError(ValueError):
+    """A prefix cache file cannot be loaded into this model: the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """What a slot save wrote or a restore read: tokens, and the file's size."""
+
+    n_tokens: int
+    n_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _FileKind:
+    magic: bytes
+    version: int
+    name: str                       # as messages name a file of this kind
+    error: type[ValueError]
+
+
+SLOT_SNAPSHOT = _FileKind(b"BSLT", 2, "slot snapshot", SnapshotError)
+PREFIX_CACHE_FILE = _FileKind(b"BPXC", 1, "prefix cache file", PrefixCacheFileError)
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """What the bytes of saved state depend on: the model, and the element type and shapes of its KV and
+    recurrent state. A file is readable by a model of the same layout (the KV element type aside when the
+    model has no attention layer)."""
+
+    fingerprint: str
+    kv_dtype: np.dtype
+    n_attention_layers: int
+    n_kv_heads: int
+    head_dim: int
+    conv_shape: tuple[int, ...] | None
+    ssm_shape: tuple[int, ...] | None
+
+    @classmethod
+    def of(cls, runner: ModelRunner) -> StateLayout:
+        """The layout of the state this runner computes."""
+        conv_shape, ssm_shape = runner.recurrent_shapes or (None, None)
+        return cls(runner.fingerprint, runner.kv_dtype, runner.n_attention_layers,
+                   runner.config.num_key_value_heads, runner.config.head_dim, conv_shape, ssm_shape)
+
+    def as_header(self) -> dict:
+        """The layout as JSON header fields."""
+        return {
+            "fingerprint": self.fingerprint,
+            "kv_dtype": str(self.kv_dtype),
+            "n_attention_layers": self.n_attention_layers,
+            "n_kv_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "conv_shape": list(self.conv_shape) if self.conv_shape is not None else None,
+            "ssm_shape": list(self.ssm_shape) if self.ssm_shape is not None else None,
+        }
+
+    def check(self, header: dict, error_type: type[ValueError], name: str) -> None:
+        """Raise error_type unless the header (of a file called `name` in messages) holds this layout."""
+        if header.get("fingerprint") != self.fingerprint:
+            raise error_type(f"{name} was saved from a different model")
+        expected = self.as_header()
+        if not self.n_attention_layers:
+            # Without attention layers a file holds no KV values, whatever element type it names.
+            del expected["kv_dtype"]
+        for key, value in expected.items():
+            if header.get(key) != value:
+                raise error_type(f"{name} {key} {header.get(key)!r} does not match this server's {value!r}")
+
+    @property
+    def kv_nbytes_per_token(self) -> int:
+        """Bytes of one position's K and V over all attention layers."""
+        return 2 * self.n_attention_layers * self.n_kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+
+@dataclass(slots=True)
+class _Reader:
+    """A checked file's payload, taken front to back as arrays that view the file's bytes."""
+
+    data: bytes
+    offset: int
+    kind: _FileKind
+
+    def expect(self, n_bytes: int) -> None:
+        """Refuse a payload of any other size, so that the takes that follow stay inside the file."""
+        if len(self.data) - self.offset != n_bytes:
+            raise self.kind.error(f"{self.kind.name} payload is {len(self.data) - self.offset} bytes; "
+                                  f"{n_bytes} expected")
+
+    def take(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        count = int(np.prod(shape))
+        array = np.frombuffer(self.data, dtype=dtype, count=count, offset=self.offset).reshape(shape)
+        self.offset += count * np.dtype(dtype).itemsize
+        return array
+
+    def take_tokens(self, shape: tuple[int, ...], vocab_size: int) -> np.ndarray:
+        tokens = self.take(TOKEN_DTYPE, shape)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            raise self.kind.error(f"{self.kind.name} token ids are outside the vocabulary")
+        return tokens
+
+
+def _open_checked(kind: _FileKind, layout: StateLayout, data: bytes,
+                  count_keys: tuple[str, ...]) -> tuple[dict, list[int], _Reader]:
+    """A saved file's header, its counts (non-negative ints under count_keys) and a reader of its payload,
+    once the frame and the layout are known to be this model's."""
+    header, offset = read_frame(data, kind.magic, kind.version, kind.name, kind.error)
+    layout.check(header, kind.error, kind.name)
+    try:
+        counts = [int(header[key]) for key in count_keys]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise kind.error(f"{kind.name} header is invalid: {exc}") from exc
+    if min(counts) < 0:
+        raise kind.error(f"{kind.name} header is invalid: a negative count")
+    return header, counts, _Reader(data, offset, kind)
+
+
+# --- slot snapshots -------------------------------------------------------------------------------------
+
+def _kv_positions(cache: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
+    """[n, n_kv_heads, head_dim] values of positions 0..n-1 gathered through a block table."""
+    gathered = cache[blocks]                          # [nb, H, 16, d]
+    return gathered.transpose(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:n]
+
+
+def _put_kv_positions(cache: np.ndarray, blocks: np.ndarray, values: np.ndarray) -> None:
+    """Write [n, n_kv_heads, head_dim] values to positions 0..n-1 through a block table (the rest of the last
+    block is zeroed)."""
+    n, n_heads, head_dim = values.shape
+    padded = np.zeros((len(blocks) * BLOCK_SIZE, n_heads, head_dim), dtype=cache.dtype)
+    padded[:n] = values
+    cache[blocks] = padded.reshape(len(blocks), BLOCK_SIZE, n_heads, head_dim).transpose(0, 2, 1, 3)
+
+
+def save_slot(runner: ModelRunner, slot: Slot, path: Path) -> SnapshotInfo:
+    """Write the slot's history to `path` atomically; returns what was written. A disk error raises StorageError."""
+    seq = slot.sequence
+    n = seq.n_past
+    blocks = seq.block_table.view()
+    states = [seq.recurrent, *(c.state for c in slot.checkpoints)] if seq.recurrent is not None else []
+    header = {**StateLayout.of(runner).as_header(), "arch": runner.arch, "n_tokens": n,
+              "checkpoints": [c.n_tokens for c in slot.checkpoints] if states else []}
+    with storage_errors("slot save"), atomic_file(path) as out:
+        write_frame(out, SLOT_SNAPSHOT.magic, SLOT_SNAPSHOT.version, header)
+        out.write(np.asarray(seq.tokens, dtype=TOKEN_DTYPE).tobytes())
+        for layer in range(runner.n_attention_layers):
+            out.write(np.ascontiguousarray(_kv_positions(runner.kv.k[layer], blocks, n)).tobytes())
+            out.write(np.ascontiguousarray(_kv_positions(runner.kv.v[layer], blocks, n)).tobytes())
+        for state in states:
+            out.write(state.conv.tobytes())
+            out.write(state.ssm.tobytes())
+        n_bytes = out.tell()
+    return SnapshotInfo(n, n_bytes)
+
+
+def restore_slot(runner: ModelRunner, slots: Slots, slot: Slot, path: Path) -> SnapshotInfo:
+    """Replace the slot's history with a snapshot; the file is fully validated first.
+
+    The restored full blocks join the prefix cache (when there is one), so other slots can share them.
+    """
+    layout = StateLayout.of(runner)
+    data = path.read_bytes()
+    header, (n,), payload = _open_checked(SLOT_SNAPSHOT, layout, data, ("n_tokens",))
+    if n > runner.max_context:
+        raise SnapshotError(f"slot snapshot holds {n} tokens; the context window is {runner.max_context}")
+    checkpoints = header.get("checkpoints")
+    if not isinstance(checkpoints, list) or not all(isinstance(c, int) and 0 <= c <= n for c in checkpoints) \
+            or (checkpoints and layout.conv_shape is None) or len(checkpoints) > MAX_SLOT_CHECKPOINTS:
+        raise SnapshotError("slot snapshot checkpoint positions are invalid")
+    n_states = 1 + len(checkpoints) if layout.conv_shape is not None else 0
+    payload.expect((TOKEN_DTYPE.itemsize + layout.kv_nbytes_per_token) * n + runner.recurrent_state_nbytes * n_states)
+    tokens = payload.take_tokens((n,), runner.vocab_size)
+    kv_shape = (n, layout.n_kv_heads, layout.head_dim)
+    kv = [(payload.take(layout.kv_dtype, kv_shape), payload.take(layout.kv_dtype, kv_shape))
+          for _ in range(layout.n_attention_layers)]
+    states = [(payload.take(RECURRENT_DTYPE, layout.conv_shape), payload.take(RECURRENT_DTYPE, layout.ssm_shape))
+              for _ in range(n_states)]
+
+    seq = slot.sequence
+    slots.forget(slot)
+    slots.make_room(blocks_for(n))
+    seq.block_table.ensure(n, runner.pool)
+    blocks = seq.block_table.view()
+    for layer, (k, v) in enumerate(kv):
+        _put_kv_positions(runner.kv.k[layer], blocks, k)
+        _put_kv_positions(runner.kv.v[layer], blocks, v)
+    if states:
+        seq.recurrent.assign(*states[0])
+        for n_tokens, (conv, ssm) in zip(checkpoints, states[1:]):
+            state = RecurrentState.zeros(layout.conv_shape, layout.ssm_shape)
+            state.assign(conv, ssm)
+            slot.checkpoints.append(Checkpoint(n_tokens, state))
+    seq.tokens[:] = tokens.tolist()
+    slots.register_blocks(seq)
+    return SnapshotInfo(n, len(data))
+
+
+# --- prefix cache files ---------------------------------------------------------------------------------
+
+def prefix_cache_file(base: Path, model_id: str) -> Path:
+    """`base.<model id>`, one flat file beside `base` ("/" in the id becomes "--")."""
+    return base.with_name(f"{base.name}.{model_id.replace('/', '--')}")
+
+
+def save_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> int:
+    """Write every cached block and snapshot to `path` atomically; the number of blocks written.
+
+    A disk error raises StorageError and leaves the previous file as it was.
+    """
+    entries = list(cache.entries.items())
+    blocks = np.array([entry.block for _, entry in entries], dtype=np.int64)
+    snapshots = [(key, stored.state) for key, stored in cache.snapshots.items() if key in cache.entries]
+    header = {"block_size": BLOCK_SIZE, **StateLayout.of(runner).as_header(),
+              "n_blocks": len(entries), "n_snapshots": len(snapshots)}
+    with storage_errors("prefix cache save"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as out:
+            write_frame(out, PREFIX_CACHE_FILE.magic, PREFIX_CACHE_FILE.version, header)
+            out.write(np.array([key for key, _ in entries], dtype=KEY_DTYPE).tobytes())
+            out.write(np.array([entry.parent for _, entry in entries], dtype=KEY_DTYPE).tobytes())
+            out.write(np.array([entry.tokens for _, entry in entries], dtype=TOKEN_DTYPE).reshape(-1).tobytes())
+            for layer in range(runner.n_attention_layers):
+                out.write(np.ascontiguousarray(runner.kv.k[layer][blocks]).tobytes())
+                out.write(np.ascontiguousarray(runner.kv.v[layer][blocks]).tobytes())
+            out.write(np.array([key for key, _ in snapshots], dtype=KEY_DTYPE).tobytes())
+            for _, state in snapshots:
+                out.write(state.conv.tobytes())
+            for _, state in snapshots:
+                out.write(state.ssm.tobytes())
+    return len(entries)
+
+
+def load_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> int:
+    """Fill an empty cache from `path` (as many blocks as the pool has free); the number of blocks loaded.
+
+    Temp files that killed saves left beside `path` are removed first, so call this before any save.
+    Raises PrefixCacheFileError (or OSError, FileNotFoundError when there is no file yet) without changing
+    the cache when the file is unusable.
+    """
+    remove_stale_temp_files(path.parent, path.name)
+    layout = StateLayout.of(runner)
+    data = path.read_bytes()
+    header, (n_blocks, n_snapshots), payload = _open_checked(PREFIX_CACHE_FILE, layout, data,
+                                                             ("n_blocks", "n_snapshots"))
+    if header.get("block_size") != BLOCK_SIZE:
+        raise PrefixCacheFileError(f"prefix cache file block_size {header.get('block_size')!r} does not match "
+                                   f"this server's {BLOCK_SIZE}")
+    if n_snapshots and layout.conv_shape is None:
+        raise PrefixCacheFileError("prefix cache file holds recurrent-state snapshots; this model has none")
+    block_nbytes = 2 * KEY_DTYPE.itemsize + (TOKEN_DTYPE.itemsize + layout.kv_nbytes_per_token) * BLOCK_SIZE
+    payload.expect(n_blocks * block_nbytes + n_snapshots * (KEY_DTYPE.itemsize + runner.recurrent_state_nbytes))
+    keys = payload.take(KEY_DTYPE, (n_blocks,))
+    parents = payload.take(KEY_DTYPE, (n_blocks,))
+    tokens = payload.take_tokens((n_blocks, BLOCK_SIZE), runner.vocab_size)
+    kv_shape = (n_blocks, layout.n_kv_heads, BLOCK_SIZE, layout.head_dim)
+    kv = [(payload.take(layout.kv_dtype, kv_shape), payload.take(layout.kv_dtype, kv_shape))
+          for _ in range(layout.n_attention_layers)]
+    snapshot_keys = payload.take(KEY_DTYPE, (n_snapshots,))
+    if n_snapshots:
+        convs = payload.take(RECURRENT_DTYPE, (n_snapshots, *layout.conv_shape))
+        ssms = payload.take(RECURRENT_DTYPE, (n_snapshots, *layout.ssm_shape))
+    for i in range(n_blocks):
+        if cache.key(int(parents[i]), tokens[i]) != int(keys[i]):
+            raise PrefixCacheFileError(f"prefix cache file block {i} does not match its key (corrupt file)")
+
+    pool = runner.pool
+    room = pool.n_free - n_snapshots * cache.snapshot_cost_blocks  # snapshots must not evict loaded blocks
+    loaded = []
+    for i in range(max(0, min(n_blocks, room))):
+        block = pool.allocate()
+        for layer, (k, v) in enumerate(kv):
+            runner.kv.k[layer][block] = k[i]
+            runner.kv.v[layer][block] = v[i]
+        cache.register(int(parents[i]), tokens[i].tolist(), block)
+        loaded.append(block)
+    # Cached and unreferenced, the blocks wait in the LRU queue for a hit. Parents come before their
+    # children in the file: releasing in reverse makes chains lose their tails before their heads.
+    for block in reversed(loaded):
+        pool.release(block)
+    if n_snapshots:
+        state = RecurrentState.zeros(layout.conv_shape, layout.ssm_shape)
+        for j in range(n_snapshots):
+            state.assign(convs[j], ssms[j])
+            cache.add_snapshot(int(snapshot_keys[j]), state)    # keeps a copy
+    return len(loaded)

@@ -1,0 +1,116 @@
+"""What goes into the engine and what comes out: requests, events, and the scheduler's view of a step.
+
+A `GenerationRequest` is admitted into a slot; every `Engine.step` returns events: `TokenEvent` for each
+sampled token, then one `FinishEvent` (or a `FailEvent` when the step failed). `SlotStatus` is what the
+scheduler sees of a busy slot, and `StepPlan` is what it decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from basert.engine.sampler import SamplingParams, TokenLogprob
+
+
+class TokenConstraint(Protocol):
+    """A grammar matcher: masks logits, follows the chosen tokens, says when the output is complete."""
+
+    def apply(self, logits: np.ndarray) -> None: ...
+    def consume(self, token_id: int) -> None: ...
+    @property
+    def is_finished(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """Everything the engine needs to run one completion (one choice)."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    constraint: TokenConstraint | None = None
+    ignore_eos: bool = False
+    deadline: float | None = None          # time.monotonic() after which generation stops ("length")
+    segment_ends: tuple[int, ...] = ()     # prompt positions where a chat segment ends (e.g. the system prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    ttft_ms: float = 0.0
+
+    def as_dict(self, cache_n: int) -> dict:
+        return {
+            "cache_n": cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_second": self.prompt_n / (self.prompt_ms / 1000) if self.prompt_ms > 0 else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_second": self.predicted_n / (self.predicted_ms / 1000) if self.predicted_ms > 0 else 0.0,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    request_id: str
+    token_id: int
+    text: str                       # text that is final now (stop strings are held back until resolved)
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    request_id: str
+    finish_reason: str              # "stop", "length", or the reason given to Engine.cancel
+    text: str                       # the remaining text released at the end
+    usage: Usage
+    timings: Timings
+    slot: int
+    timed_out: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FailEvent:
+    request_id: str
+    error: Exception
+
+
+Event = TokenEvent | FinishEvent | FailEvent
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStatus:
+    """What the scheduler knows of a busy slot."""
+
+    slot: int
+    decoding: bool          # feeds one sampled token next
+    max_chunk: int          # most prompt tokens the next forward may feed (0 while decoding)
+    n_past: int
+    n_blocks: int
+    order: int              # admission order: lower is older
+    waits_for_prefix: bool = False  # an older slot is computing blocks this slot can then adopt from the cache
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step: tokens to feed per slot, and slots to preempt or to finish for lack of KV."""
+
+    chunks: tuple[tuple[int, int], ...] = ()   # (slot, number of tokens)
+    preempt: tuple[int, ...] = ()              # drop their KV now; they recompute it when blocks are free
+    starve: tuple[int, ...] = ()               # cannot grow even with the whole pool: finish ("length")

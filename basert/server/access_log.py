@@ -1,0 +1,35 @@
+"""One access-log line and the request metrics for each finished request."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from basert.server.chat_api import RequestRecord
+from basert.server.logs import printable
+from basert.server.metrics import ServerMetrics
+
+access_log = logging.getLogger("basert.access")
+
+
+def log_request(metrics: ServerMetrics, endpoint: str, status: int, started: float, record: RequestRecord | None,
+                method: str, path: str, streamed: bool = False) -> None:
+    """Count the request in `metrics` and write its access-log line; `endpoint` is the route pattern."""
+    elapsed = time.monotonic() - started
+    metrics.requests.labels(endpoint, str(status)).inc()
+    metrics.latency.labels(endpoint).observe(elapsed)
+    r = record or RequestRecord()
+    if r.model:
+        metrics.prompt_tokens.labels(r.model).inc(r.prompt_tokens)
+        metrics.cached_tokens.labels(r.model).inc(r.cached_tokens)
+        metrics.generated_tokens.labels(r.model).inc(r.completion_tokens)
+        if r.ttft_ms:
+            metrics.ttft.labels(r.model).observe(r.ttft_ms / 1000)
+    access_log.info(
+        "%s %s %d model=%s slot=%s prompt=%d cached=%d completion=%d prefill_tps=%.1f decode_tps=%.1f "
+        "ttft_ms=%.1f total_ms=%.1f finish=%s%s%s",
+        printable(method, 16), printable(path), status, r.model or "-", "-" if r.slot is None else r.slot,
+        r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.prompt_per_second, r.predicted_per_second,
+        r.ttft_ms, 1000 * elapsed, r.finish_reason or ("cancelled" if streamed else "-"),
+        " stream" if streamed else "", " timed_out" if r.timed_out else "",
+    )

@@ -1,0 +1,104 @@
+"""The OpenAI endpoints: chat completions, completions, models, and tokenize / detokenize."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from quart import Blueprint, Response, request
+
+from basert.server.access_log import log_request
+from basert.server.catalog import ServedModel
+from basert.server.chat_api import RequestRecord, chat_completion, completion
+from basert.server.errors import invalid
+from basert.server.json_input import request_json
+from basert.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from basert.server.state import server_state
+
+openai = Blueprint("openai", __name__)
+
+
+def finish(endpoint: str, result: dict | AsyncIterator[bytes], record: RequestRecord) -> Response | dict:
+    """The response for a generation: its JSON object, or an SSE stream that writes its access-log line at its end."""
+    if isinstance(result, dict):
+        return result
+    metrics = server_state().metrics
+    started = request.basert_started  # type: ignore[attr-defined]
+    method, path = request.method, request.path
+    request.basert_streamed = True  # type: ignore[attr-defined]
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for piece in result:
+                yield piece
+        finally:
+            log_request(metrics, endpoint, 200, started, record, method, path, streamed=True)
+
+    response = Response(body(), mimetype="text/event-stream")
+    response.headers["Cache-Control"] = "no-cache"
+    response.timeout = None
+    return response
+
+
+@openai.post("/v1/chat/completions")
+async def chat_completions():
+    state = server_state()
+    record = RequestRecord()
+    request.basert_record = record  # type: ignore[attr-defined]
+    body = ChatCompletionRequest.model_validate(await request_json())
+    model = state.catalog.resolve(body.model)
+    record.model = model.info.id
+    return finish("/v1/chat/completions", await chat_completion(model, body, state.settings.limits, record), record)
+
+
+@openai.post("/v1/completions")
+async def completions():
+    state = server_state()
+    record = RequestRecord()
+    request.basert_record = record  # type: ignore[attr-defined]
+    body = CompletionRequest.model_validate(await request_json())
+    model = state.catalog.resolve(body.model)
+    record.model = model.info.id
+    return finish("/v1/completions", await completion(model, body, state.settings.limits, record), record)
+
+
+def model_object(model: ServedModel) -> dict:
+    return {"id": model.info.id, "object": "model", "created": model.created, "owned_by": "basert",
+            "meta": {"n_ctx": model.info.n_ctx, "arch": model.info.arch, "slots": model.info.n_slots}}
+
+
+@openai.get("/v1/models")
+async def list_models():
+    return {"object": "list", "data": [model_object(m) for m in server_state().catalog.models]}
+
+
+@openai.get("/v1/models/<path:model_id>")
+async def get_model(model_id: str):
+    return model_object(server_state().catalog.resolve(model_id))
+
+
+@openai.post("/v1/tokenize")
+@openai.post("/tokenize")
+async def tokenize():
+    body = TokenizeRequest.model_validate(await request_json())
+    model = server_state().catalog.resolve(body.model)
+    text = body.content if body.content is not None else body.prompt
+    if text is None:
+        raise invalid("content is required", "content")
+    tokenizer = model.require_tokenizer()
+    ids = tokenizer.encode(text, add_special=body.add_special, parse_special=body.parse_special)
+    if body.with_pieces:
+        return {"tokens": [{"id": i, "piece": tokenizer.token_bytes(i).decode("utf-8", errors="replace")}
+                           for i in ids]}
+    return {"tokens": ids}
+
+
+@openai.post("/v1/detokenize")
+@openai.post("/detokenize")
+async def detokenize():
+    body = DetokenizeRequest.model_validate(await request_json())
+    model = server_state().catalog.resolve(body.model)
+    tokenizer = model.require_tokenizer()
+    vocab = model.info.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise invalid(f"token ids must be in [0, {vocab})", "tokens")
+    return {"content": tokenizer.decode(body.tokens)}

@@ -1,0 +1,23 @@
+"""Operations: the health check and the Prometheus metrics."""
+
+from __future__ import annotations
+
+from quart import Blueprint, Response
+
+from basert.actor.messages import Stats
+from basert.server.state import server_state
+
+operations = Blueprint("operations", __name__)
+
+
+@operations.get("/health")
+async def health():
+    return {"status": "ok"}
+
+
+@operations.get("/metrics")
+async def metrics():
+    state = server_state()
+    for model in state.catalog.models:
+        state.metrics.update_model(await model.ask(Stats))
+    return Response(state.metrics.render(), mimetype="text/plain; version=0.0.4")

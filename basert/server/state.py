@@ -1,0 +1,52 @@
+"""What every route of a server shares: the served models, the settings, the metrics and the draining flag.
+
+`create_app` puts one ServerState on the application; route handlers reach it with `server_state()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quart import current_app
+
+from basert.server.catalog import ModelCatalog
+from basert.server.errors import not_supported
+from basert.server.files import FilesStore
+from basert.server.generation import ServerLimits
+from basert.server.metrics import ServerMetrics
+from basert.server.rate_limit import RateLimiter
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    api_keys: list[str] = field(default_factory=list)
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    files: FilesStore | None = None
+    slot_save_path: Path | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    cors_origins: list[str] = field(default_factory=list)
+    rate_limit: int = 0                      # requests per minute per API key (or client address); 0 = off
+
+
+@dataclass(slots=True)
+class ServerState:
+    """The state of one server; set `draining` and new requests are refused with a 503."""
+
+    catalog: ModelCatalog
+    settings: ServerSettings
+    api_keys: list[bytes] = field(default_factory=list)  # settings.api_keys encoded, for constant-time compares
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    limiter: RateLimiter | None = None
+    draining: bool = False
+
+    def files(self) -> FilesStore:
+        """The files store, or a 501 saying which flag enables it."""
+        if self.settings.files is None:
+            raise not_supported("slot snapshots and /v1/files need --files-dir DIR")
+        return self.settings.files
+
+
+def server_state() -> ServerState:
+    """The state of the application serving the current request."""
+    return current_app.basert_state  # type: ignore[attr-defined]
