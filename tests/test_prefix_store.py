@@ -24,8 +24,9 @@ def filled_engine(path: Path):
 
 
 def empty_cache(path: Path) -> tuple[ModelRunner, PrefixCache]:
-    runner = ModelRunner(path, max_context=512, kv_dtype=np.float16)
-    return runner, PrefixCache(runner.pool, runner.fingerprint, recurrent=runner.n_linear_layers > 0)
+    """A fresh engine's runner and empty prefix cache, wired as the server wires them."""
+    engine = make_engine(path, slots=1, cache=True)
+    return engine.runner, engine.prefix_cache
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3_5-tiny"])

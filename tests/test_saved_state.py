@@ -47,8 +47,8 @@ def _kv_positions(cache: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
     return gathered.transpose(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:n]
 
 
-def _slot_header_v2(runner: ModelRunner, lane: Slot) -> dict:
-    seq = lane.sequence
+def _slot_header_v2(runner: ModelRunner, slot: Slot) -> dict:
+    seq = slot.sequence
     recurrent = seq.recurrent
     return {
         "fingerprint": runner.fingerprint,
@@ -60,14 +60,14 @@ def _slot_header_v2(runner: ModelRunner, lane: Slot) -> dict:
         "head_dim": runner.config.head_dim,
         "conv_shape": list(recurrent.conv.shape) if recurrent is not None else None,
         "ssm_shape": list(recurrent.ssm.shape) if recurrent is not None else None,
-        "checkpoints": [c.n_tokens for c in lane.checkpoints] if recurrent is not None else [],
+        "checkpoints": [c.n_tokens for c in slot.checkpoints] if recurrent is not None else [],
     }
 
 
-def save_slot_v2(runner: ModelRunner, lane: Slot, path: Path) -> SnapshotInfo:
-    """Write the lane's state to `path` atomically; returns what was written. A disk error raises StorageError."""
-    seq = lane.sequence
-    header = _slot_header_v2(runner, lane)
+def save_slot_v2(runner: ModelRunner, slot: Slot, path: Path) -> SnapshotInfo:
+    """Write the slot's state to `path` atomically; returns what was written. A disk error raises StorageError."""
+    seq = slot.sequence
+    header = _slot_header_v2(runner, slot)
     n = seq.n_past
     blocks = seq.block_table.view()
     with storage_errors("slot save"), atomic_file(path) as out:
@@ -79,7 +79,7 @@ def save_slot_v2(runner: ModelRunner, lane: Slot, path: Path) -> SnapshotInfo:
         if seq.recurrent is not None:
             out.write(seq.recurrent.conv.tobytes())
             out.write(seq.recurrent.ssm.tobytes())
-            for checkpoint in lane.checkpoints:
+            for checkpoint in slot.checkpoints:
                 out.write(checkpoint.state.conv.tobytes())
                 out.write(checkpoint.state.ssm.tobytes())
         n_bytes = out.tell()

@@ -110,7 +110,7 @@ def bench_shapes(threads: list[int], ms: list[int], min_time: float, rng: np.ran
     return results
 
 
-DECODE_MAX_M = 16  # batches up to this size are decode steps of several lanes
+DECODE_MAX_M = 16  # batches up to this size are decode steps of several slots
 
 
 def bench_model(threads: list[int], min_time: float, rng: np.random.Generator) -> list[Result]:

@@ -78,7 +78,7 @@ class QueueTimeoutError(UnavailableError, RuntimeError):
 
 @dataclass(slots=True)
 class Queued:
-    """A generation waiting for a lane, and when it stops waiting."""
+    """A generation waiting for a slot, and when it stops waiting."""
 
     message: Generate
     queued_at: float

@@ -1,6 +1,6 @@
 """ModelInfo: the facts about a loaded model that the layers above the engine may read.
 
-The server, the CLI and the Python API read these instead of reaching into the engine's runner, lanes or
+The server, the CLI and the Python API read these instead of reaching into the engine's runner, slots or
 caches, so the engine can change its insides without breaking them.
 """
 

@@ -1,7 +1,7 @@
 """Prefix cache: full KV blocks found again through a hash chain over their tokens, plus hybrid snapshots.
 
 A block's key is `xxh64(parent key, its 16 tokens, model fingerprint)`, so a key names the whole prefix up
-to the block's end. Blocks are registered as soon as they are full and are shared read-only (a lane writes
+to the block's end. Blocks are registered as soon as they are full and are shared read-only (a slot writes
 only into blocks it owns; see `BlockPool.is_shared`). Unreferenced cached blocks wait in the pool's LRU
 queue and are evicted oldest first. Every hit is checked against the stored tokens and parent key, so a
 hash collision can never hand out the wrong KV.

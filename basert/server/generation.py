@@ -69,7 +69,7 @@ class ChoiceSet:
     """The engine requests of one HTTP request (one per choice), their reply channels, and cleanup.
 
     `close()` cancels every request that has not finished: handlers call it in a `finally`, so a
-    client that disconnects frees its lanes at once.
+    client that disconnects frees its slots at once.
     """
 
     def __init__(self, model: ServedModel, requests: list[GenerationRequest]):
