@@ -156,7 +156,10 @@ class Model:
                  seed: int | None = None, callback: TokenCallback | None = None,
                  stop_at_eos: bool = True, stop: Sequence[str] = ()) -> GenerationStats:
         """Generate up to max_tokens; callback(token_id, text) returning False stops early; generation also
-        stops before any of the `stop` strings (which are not part of the text)."""
+        stops before any of the `stop` strings (which are not part of the text).
+
+        The callback's text is what became final with that token; text still held back at the end (a possible
+        stop string, an unfinished character) is only in the returned `text`."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                   repeat_penalty=repeat_penalty, seed=seed)
         stats = GenerationStats()

@@ -41,14 +41,19 @@ def cmd_complete(args: argparse.Namespace) -> int:
             encoder = ChatEncoder(model.tokenizer)
             prompt = encoder.encode(template.render(encoder.hide(messages), add_generation_prompt=True))
 
+        printed = 0
+
         def show(token_id: int, text: str) -> bool:
+            nonlocal printed
             sys.stdout.write(text)
             sys.stdout.flush()
+            printed += len(text)
             return True
 
         stats = model.generate(prompt, max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k,
                                top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                                seed=args.seed, callback=show)
+        sys.stdout.write(stats.text[printed:])  # text the end released (held for stop strings, a split character)
         if stats.text and not stats.text.endswith("\n"):
             sys.stdout.write("\n")
         print(
