@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import FIXTURES
 
 from basert import __version__
@@ -106,3 +107,11 @@ def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
     assert lines[0] == "| model | size | test | t/s |"
     assert [line.split("|")[3].strip() for line in lines[2:]] == ["pp16", "tg4"]
     assert all("±" in line for line in lines[2:])
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [("--max-context", "1", "max_context must be at least 2"),
+                                                         ("--threads", "0", "threads must be at least 1")])
+def test_serve_refuses_engine_options_that_cannot_work_in_one_line(flag: str, value: str, message: str) -> None:
+    result = basert("serve", flag, value, "--port", "1")
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_engine_slots import make_engine, request, run
-from test_saves_killed import DISK_ERROR, storage_error_message
 
 from basert.engine.kv import BLOCK_SIZE
 from basert.engine.prefix_cache import PrefixCache
 from basert.engine.runner import ModelRunner
 from basert.engine.saved_state import PrefixCacheFileError, load_prefix_cache, prefix_cache_file, save_prefix_cache
+from basert.testing.disk import DISK_ERROR, storage_error_message
 
 
 def filled_engine(path: Path):
@@ -116,7 +116,7 @@ def test_a_save_that_hits_a_disk_error_raises_storage_error_and_keeps_the_previo
         from test_prefix_store import filled_engine
         engine, _ = filled_engine(Path(sys.argv[1]))
         save_prefix_cache(engine.runner, engine.prefix_cache, Path(sys.argv[2]))
-    """, str(tiny_f32_bases["qwen3_5-tiny"]), str(path))
+    """, str(tiny_f32_bases["qwen3_5-tiny"]), str(path), cwd=Path(__file__).parent)
     assert message == f"prefix cache save {DISK_ERROR}"
     assert [p.name for p in tmp_path.iterdir()] == ["pc.model"]
     assert path.read_bytes() == before

@@ -9,31 +9,15 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from basert.format.atomic import atomic_file, remove_stale_temp_files, stale_temp_files
+from basert.testing.disk import DISK_ERROR, storage_error_message
 
 TESTS = Path(__file__).parent
-DISK_ERROR = "failed: File too large"
-
-
-def storage_error_message(limit: int, code: str, *args: str) -> str:
-    """Run `code` (with `args` in sys.argv[1:]) where writes beyond `limit` bytes fail; its StorageError's message."""
-    script = (f"import resource, sys\nfrom basert.format.atomic import StorageError\n"
-              f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\ntry:\n"
-              f"{textwrap.indent(textwrap.dedent(code), '    ')}\n"
-              f"except StorageError as exc:\n    print(exc)\nelse:\n    sys.exit('no StorageError')\n")
-    result = subprocess.run([sys.executable, "-c", script, *args], cwd=TESTS, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
-
-
 def test_stale_temp_files_finds_the_temp_that_atomic_file_writes(tmp_path: Path):
     with atomic_file(tmp_path / "snap.bin") as out:
         out.write(b"half")
@@ -73,7 +57,7 @@ def test_a_slot_save_that_hits_a_disk_error_raises_storage_error_and_leaves_no_t
         from test_prefix_store import filled_engine
         engine, _ = filled_engine(Path(sys.argv[1]))
         save_slot(engine.runner, engine.slots[0], Path(sys.argv[2]))
-    """, str(tiny_f32_bases["qwen3_5-tiny"]), str(tmp_path / "slot0.bin"))
+    """, str(tiny_f32_bases["qwen3_5-tiny"]), str(tmp_path / "slot0.bin"), cwd=Path(__file__).parent)
     assert message == f"slot save {DISK_ERROR}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.bin"]
 

@@ -210,6 +210,11 @@ def check_port_free(host: str, port: int) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_file)
     problem = check_arguments(args)
+    if problem is None:
+        try:
+            engine_options(args).check()
+        except ValueError as exc:
+            problem = str(exc)
     if problem:
         log.error("%s", problem)
         return 2

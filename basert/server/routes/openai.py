@@ -39,26 +39,25 @@ def finish(endpoint: str, result: dict | AsyncIterator[bytes], record: RequestRe
     return response
 
 
-@openai.post("/v1/chat/completions")
-async def chat_completions():
+async def generation_route(endpoint: str, schema, handler):
+    """Validate the body with `schema`, resolve its model, and answer with `handler`'s response or stream."""
     state = server_state()
     record = RequestRecord()
     request.basert_record = record  # type: ignore[attr-defined]
-    body = ChatCompletionRequest.model_validate(await request_json())
+    body = schema.model_validate(await request_json())
     model = state.catalog.resolve(body.model)
     record.model = model.info.id
-    return finish("/v1/chat/completions", await chat_completion(model, body, state.settings.limits, record), record)
+    return finish(endpoint, await handler(model, body, state.settings.limits, record), record)
+
+
+@openai.post("/v1/chat/completions")
+async def chat_completions():
+    return await generation_route("/v1/chat/completions", ChatCompletionRequest, chat_completion)
 
 
 @openai.post("/v1/completions")
 async def completions():
-    state = server_state()
-    record = RequestRecord()
-    request.basert_record = record  # type: ignore[attr-defined]
-    body = CompletionRequest.model_validate(await request_json())
-    model = state.catalog.resolve(body.model)
-    record.model = model.info.id
-    return finish("/v1/completions", await completion(model, body, state.settings.limits, record), record)
+    return await generation_route("/v1/completions", CompletionRequest, completion)
 
 
 def model_object(model: ServedModel) -> dict:
