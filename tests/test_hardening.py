@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -306,23 +305,27 @@ def test_sigterm_drains_running_requests_then_exits_zero(smollm2_base: Path, tmp
 
     thread = threading.Thread(target=stream)
     thread.start()
-    deadline = time.monotonic() + 30
-    while len([c for c in chunks if c.startswith("data: {")]) < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    proc.process.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
     try:
-        refused = httpx.post(proc.url + "/v1/chat/completions", json=CHAT, timeout=10)
-        error_envelope(refused, 503, "draining")
-        assert "Retry-After" in refused.headers
-    except httpx.ConnectError:
-        pass  # the drain already finished and the listener is closed
-    thread.join(60)
-    assert [c for c in chunks if c][-1] == "data: [DONE]"
-    finish = [json.loads(c[6:]) for c in chunks if c.startswith("data: {")][-1]["choices"][0]["finish_reason"]
-    assert finish == "length"
-    assert proc.stop() == 0
-    assert "draining" in proc.log_text()
+        deadline = time.monotonic() + 30
+        while len([c for c in chunks if c.startswith("data: {")]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.terminate()
+        time.sleep(0.2)
+        try:
+            refused = httpx.post(proc.url + "/v1/chat/completions", json=CHAT, timeout=10)
+            error_envelope(refused, 503, "draining")
+            assert "Retry-After" in refused.headers
+        except httpx.ConnectError:
+            pass  # the drain already finished and the listener is closed
+        thread.join(60)
+        assert [c for c in chunks if c][-1] == "data: [DONE]"
+        finish = [json.loads(c[6:]) for c in chunks if c.startswith("data: {")][-1]["choices"][0]["finish_reason"]
+        assert finish == "length"
+        # The one SIGTERM above is all it gets: wait for the exit without signalling again.
+        assert proc.wait() == 0, proc.log_text()
+        assert "draining" in proc.log_text()
+    finally:
+        proc.stop()
 
 
 async def test_files_and_slots_answer_only_loopback_clients_without_a_key(tmp_path: Path):

@@ -19,6 +19,13 @@ from basert.testing.pool import ServerPool
 FRESH_TOGETHER = 2
 
 
+@pytest.fixture(scope="module")
+def fresh_answers() -> dict[tuple[str, bool, str], str]:
+    """Answers from servers started for one request, by (model, plain, key): every test here compares with the
+    default single-slot server computed from empty state, so one fresh answer serves them all."""
+    return {}
+
+
 def model_and_flags(name: str, smollm2_base: Path, qwen35_chat_base: Path) -> tuple[str, list[str]]:
     if name == "smollm2":
         return str(smollm2_base), list(SMOLLM2_CHAT_FLAGS)
@@ -29,13 +36,14 @@ def model_and_flags(name: str, smollm2_base: Path, qwen35_chat_base: Path) -> tu
 @pytest.mark.parametrize("plain", [False, True], ids=["tool-calls", "plain-chat"])
 async def test_requests_equal_their_fresh_server_answers(name: str, plain: bool, smollm2_base: Path,
                                                          qwen35_chat_base: Path, server_pool: ServerPool,
-                                                         tmp_path: Path):
+                                                         fresh_answers: dict, tmp_path: Path):
     """8 (4 plain) sequential requests, then 2 and 4 concurrent ones, on one default single-slot server; each
     answer equals the answer of a server started for that request alone."""
     model, flags = model_and_flags(name, smollm2_base, qwen35_chat_base)
     n = 8 if not plain else 4
     outcomes = await shared_answers(server_pool.get(model, *flags).url, n, [2, 4], plain)
     await answer_on_fresh_servers(model, flags, outcomes, plain, tmp_path, together=FRESH_TOGETHER)
+    fresh_answers.update({(name, plain, o.key): o.fresh for o in outcomes})
     assert len(outcomes) == n + 6
     print(report(outcomes))
     assert all(o.same for o in outcomes), report(outcomes)
@@ -50,13 +58,18 @@ async def test_requests_equal_their_fresh_server_answers(name: str, plain: bool,
 @pytest.mark.parametrize("plain", [False, True], ids=["tool-calls", "plain-chat"])
 async def test_continuous_batching_with_prefix_cache_equals_default_mode(name: str, plain: bool, smollm2_base: Path,
                                                                          qwen35_chat_base: Path,
-                                                                         server_pool: ServerPool):
+                                                                         server_pool: ServerPool,
+                                                                         fresh_answers: dict):
     """N = 1, 2, 4, 8 concurrent requests on 8 batched slots sharing a prefix cache; every answer equals the
-    answer of the default single-slot server computed from empty state."""
+    answer of the default single-slot server computed from empty state: a fresh server's where the test above
+    has one for the request, otherwise one server's with every slot erased before the request."""
     model, flags = model_and_flags(name, smollm2_base, qwen35_chat_base)
     batched = server_pool.get(model, *flags, "--continuous-batching", "8", "--prefix-cache")
     outcomes = await shared_answers(batched.url, 4, [1, 2, 4, 8], plain)
-    await answer_on_erased_server(server_pool.get(model, *flags).url, outcomes, plain)
+    for outcome in outcomes:
+        outcome.fresh = fresh_answers.get((name, plain, outcome.key), "")
+    unknown = [o for o in outcomes if (name, plain, o.key) not in fresh_answers]
+    await answer_on_erased_server(server_pool.get(model, *flags).url, unknown, plain)
     assert len(outcomes) == 4 + 15
     print(report(outcomes))
     assert all(o.same for o in outcomes), report(outcomes)

@@ -32,6 +32,8 @@ SYSTEM_PROMPT = (
 
 @dataclass(slots=True)
 class Outcome:
+    """One request of a run: its answer on the server under test and its reference answer."""
+
     label: str
     key: str
     answer: str
@@ -62,12 +64,14 @@ def answer_of(response: dict) -> str:
 
 
 async def ask(client: httpx.AsyncClient, url: str, key: str, plain: bool) -> str:
+    """The answer (`answer_of`) of the server at `url` to the request for `key`."""
     response = await client.post(f"{url}/v1/chat/completions", json=request_body(key, plain), timeout=300)
     response.raise_for_status()
     return answer_of(response.json())
 
 
 def start_server(model: str, flags: list[str], log_dir: Path, name: str) -> ServerProcess:
+    """A server for `model` with `flags`, logging to `log_dir`/`name`.log."""
     return ServerProcess(model, *flags, log_path=log_dir / f"{name}.log")
 
 

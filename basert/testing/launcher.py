@@ -75,6 +75,7 @@ class ServerProcess:
         return self.log_path.parent
 
     def log_text(self) -> str:
+        """Everything the server printed so far."""
         if not self.log.closed:
             self.log.flush()
         return self.log_path.read_text()
@@ -104,6 +105,7 @@ class ServerProcess:
         return self.process.returncode
 
     def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait for the exit; the exit code."""
         self.terminate()
         return self.wait(timeout)
 
