@@ -498,9 +498,10 @@ def test_named_function_is_the_only_one(factories, tokenizers, name: str) -> Non
         (QWEN_XML, XML_CALL, XML_TEXT_CALL),
     ],
 )
-def test_parallel_allows_two_calls(factories, tokenizers, name: str, dialect: str, first: str, second: str) -> None:
+def test_parallel_allows_calls_up_to_the_limit(factories, tokenizers, name: str, dialect: str, first: str,
+                                               second: str) -> None:
     factory, tokenizer = factories[name], tokenizers[name]
-    matcher = factory.matcher(factory.tool_call(TOOLS, dialect, parallel=True))
+    matcher = factory.matcher(factory.tool_call(TOOLS, dialect, max_calls=3))
     assert run_text(matcher, tokenizer, first) is None
     # Complete, but another call may follow: the engine ends when the model picks EOS.
     assert not matcher.is_finished
@@ -511,6 +512,9 @@ def test_parallel_allows_two_calls(factories, tokenizers, name: str, dialect: st
     assert not matcher.is_finished
     assert set(tokenizer.eos_ids) < allowed_ids(matcher)
     assert len(parse_calls(dialect, TOOLS, first + "\n" + second)) == 2
+    # The third call is the last one allowed: then only the end.
+    assert run_text(matcher, tokenizer, "\n" + first) is None
+    assert tokenizer.encode("\n")[0] not in allowed_ids(matcher)
 
 
 # --- the matcher ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from basert.chat.tool_calls import CLOSE_TAG, OPEN_TAG, QWEN_JSON, QWEN_XML
 from basert.errors import InvalidRequestError
@@ -80,8 +81,18 @@ class GrammarFactory:
         """Output one compact JSON object of any shape (response_format json_object)."""
         return self.json_schema({"type": "object"})
 
-    def tool_call(self, tools: list[dict], dialect: str, *, name: str | None = None, parallel: bool = False) -> Grammar:
-        """Output one tool call (with `parallel`, one or more) in the model's dialect, then end."""
+    def gbnf(self, source: str) -> Grammar:
+        """Output matching a GBNF grammar (llama.cpp's `grammar` field), through llguidance's Lark translation."""
+        if not isinstance(source, str) or not source.strip():
+            raise GrammarError("a grammar must be non-empty GBNF text")
+        try:
+            lark = gbnf_to_lark(source)
+        except Exception as error:  # the translator raises its own error types and plain ValueErrors
+            raise GrammarError(f"invalid GBNF grammar: {_first_line(str(error))}") from None
+        return self._compile(LLMatcher.grammar_from_lark(lark))
+
+    def tool_call(self, tools: list[dict], dialect: str, *, name: str | None = None, max_calls: int = 1) -> Grammar:
+        """Output one to `max_calls` tool calls in the model's dialect, then end."""
         functions = _functions(tools)
         if name is not None:
             functions = [f for f in functions if f["name"] == name]
@@ -95,7 +106,7 @@ class GrammarFactory:
             rules = self._xml_dialect(functions, documents)
         else:
             raise GrammarError(f"unknown tool-call dialect {dialect!r}")
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        start = f'start: call ("\\n" call){{0,{max_calls - 1}}}' if max_calls > 1 else "start: call"
         call = f'call: {self._literal(OPEN_TAG)} "\\n" body "\\n" {self._literal(CLOSE_TAG)}'
         try:
             return self._compile(LLMatcher.grammar_from_lark("\n".join([start, call, *rules])))

@@ -110,13 +110,14 @@ class ChatTemplate:
 
 def _normalise_message(message: dict) -> dict:
     normalised = dict(message)
-    normalised["content"] = _content_text(message.get("content"))
+    normalised["content"] = content_text(message.get("content"))
     if message.get("tool_calls"):
         normalised["tool_calls"] = [_normalise_tool_call(call) for call in message["tool_calls"]]
     return normalised
 
 
-def _content_text(content: str | list[dict] | None) -> str:
+def content_text(content: str | list[dict] | None) -> str:
+    """A message's content as the text a template sees: parts joined by newlines, None as empty."""
     # Templates call string methods on content (Qwen3: `'</think>' in message.content`), so an
     # assistant turn with only tool calls gets "" rather than None, as vLLM does.
     if content is None:

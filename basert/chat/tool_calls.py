@@ -21,6 +21,10 @@ QWEN_XML = "qwen_xml"
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 
+# The most tool calls one assistant turn may make: generation stops when the model closes that many. A weak model
+# allowed more than one call can keep opening new ones until max_tokens.
+MAX_TOOL_CALLS_PER_TURN = 8
+
 # The same wording as Qwen3's own template, so a model trained on that format recognises it.
 GENERIC_TOOL_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

@@ -237,7 +237,8 @@ class Engine:
         output = slot.running.output
         tail, usage, timings = output.close(now)
         self.slots.retire(slot)
-        return FinishEvent(output.request.request_id, reason, tail, usage, timings, slot.index, output.timed_out)
+        return FinishEvent(output.request.request_id, reason, tail, usage, timings, slot.index, output.timed_out,
+                           output.stop_word)
 
     def _fail(self, work: list[tuple[Slot, list[int], bool]], exc: Exception) -> list[Event]:
         events: list[Event] = []

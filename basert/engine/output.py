@@ -18,7 +18,8 @@ class RequestOutput:
     """The output side of one running request."""
 
     __slots__ = ("request", "detokenizer", "generated", "text", "released", "cached_tokens", "started",
-                 "prefill_started", "prefill_done", "first_token_at", "timed_out", "stopped_by_string")
+                 "prefill_started", "prefill_done", "first_token_at", "timed_out", "stop_word", "stop_after_seen",
+                 "stop_after_from")
 
     def __init__(self, request: GenerationRequest, tokenizer: Tokenizer | None, cached_tokens: int):
         self.request = request
@@ -32,7 +33,9 @@ class RequestOutput:
         self.prefill_done = 0.0
         self.first_token_at = 0.0
         self.timed_out = False
-        self.stopped_by_string = False
+        self.stop_word = ""              # the stop string that ended the generation
+        self.stop_after_seen = 0         # occurrences of request.stop_after's string in the text so far
+        self.stop_after_from = 0         # where the search for the next occurrence starts
 
     def add(self, token: int, context_full: bool, now: float) -> str | None:
         """Append a generated token (not an end-of-sequence); the finish reason it causes, or None."""
@@ -42,8 +45,7 @@ class RequestOutput:
             self.text += self.detokenizer.push(token)
         if request.constraint is not None and request.constraint.is_finished:
             return "stop"
-        if self._hit_stop_string():
-            self.stopped_by_string = True
+        if self._hit_stop_string() or self._reached_stop_after():
             return "stop"
         if len(self.generated) >= request.max_tokens or context_full:
             return "length"
@@ -69,7 +71,7 @@ class RequestOutput:
 
     def close(self, now: float) -> tuple[str, Usage, Timings]:
         """The text still held back (with an unfinished character's bytes as U+FFFD), usage and timings."""
-        if self.detokenizer is not None and not self.stopped_by_string:
+        if self.detokenizer is not None and not self.stop_word:
             self.text += self.detokenizer.flush()
         tail = self.text[self.released:]
         self.released = len(self.text)
@@ -89,5 +91,15 @@ class RequestOutput:
             at = self.text.find(stop, max(0, self.released - len(stop)))
             if at >= 0:
                 self.text = self.text[:at]
+                self.stop_word = stop
                 return True
         return False
+
+    def _reached_stop_after(self) -> bool:
+        if self.request.stop_after is None:
+            return False
+        marker, count = self.request.stop_after
+        while (at := self.text.find(marker, self.stop_after_from)) >= 0:
+            self.stop_after_seen += 1
+            self.stop_after_from = at + len(marker)
+        return self.stop_after_seen >= count

@@ -37,6 +37,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     deadline: float | None = None          # time.monotonic() after which generation stops ("length")
     segment_ends: tuple[int, ...] = ()     # prompt positions where a chat segment ends (e.g. the system prompt)
+    # Stop ("stop", the text kept) once the output holds this string this many times: a tool-call close tag
+    # and the most calls a turn may make, for example.
+    stop_after: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,7 @@ class FinishEvent:
     timings: Timings
     slot: int
     timed_out: bool = False
+    stop_word: str = ""             # the stop string that ended the generation, if one did
 
 
 @dataclass(frozen=True, slots=True)

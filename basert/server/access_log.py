@@ -4,12 +4,43 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
-from basert.server.chat_api import RequestRecord
+from basert.engine.types import FinishEvent
 from basert.server.logs import printable
 from basert.server.metrics import ServerMetrics
 
 access_log = logging.getLogger("basert.access")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the access log and metrics need about one finished request."""
+
+    model: str = ""
+    slot: int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_per_second: float = 0.0
+    predicted_per_second: float = 0.0
+    ttft_ms: float = 0.0
+    finish_reason: str = ""
+    timed_out: bool = False
+
+    def absorb(self, done_list: list[FinishEvent]) -> None:
+        if not done_list:
+            return
+        first = done_list[0]
+        timings = first.timings.as_dict(first.usage.cached_tokens)
+        self.slot = first.slot
+        self.cached_tokens = first.usage.cached_tokens
+        self.completion_tokens = sum(d.usage.completion_tokens for d in done_list)
+        self.prompt_per_second = timings["prompt_per_second"]
+        self.predicted_per_second = timings["predicted_per_second"]
+        self.ttft_ms = first.timings.ttft_ms
+        self.finish_reason = ",".join(sorted({d.finish_reason for d in done_list}))
+        self.timed_out = any(d.timed_out for d in done_list)
 
 
 def log_request(metrics: ServerMetrics, endpoint: str, status: int, started: float, record: RequestRecord | None,

@@ -1,4 +1,10 @@
-"""/v1/chat/completions and /v1/completions: render, submit one engine request per choice, assemble."""
+"""The chat driver every chat-shaped API shares: render a conversation, submit one engine request per choice, and
+turn the engine's tokens into per-choice events (reasoning text, content text, tool-call pieces, the finish).
+
+OpenAI chat completions, Anthropic messages and OpenAI responses translate their request into a
+`ChatCompletionRequest`, call `start_chat`, and format the `ChatRun`'s events: a streamed response writes them as
+they come, a complete one collects them first (`ChatRun.results`), so the two forms always agree.
+"""
 
 from __future__ import annotations
 
@@ -8,60 +14,37 @@ from dataclasses import dataclass, field
 
 from basert.chat.encoder import ChatEncoder
 from basert.chat.reasoning import ReasoningParser, opens_in_prompt
-from basert.chat.tool_calls import ToolCallParser, inject_tool_prompt, make_tool_parser
+from basert.chat.template import ChatTemplate, content_text
+from basert.chat.tool_calls import (
+    CLOSE_TAG,
+    MAX_TOOL_CALLS_PER_TURN,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+    inject_tool_prompt,
+    make_tool_parser,
+)
 from basert.engine.sampler import TokenLogprob
 from basert.engine.slots import common_prefix
 from basert.engine.types import FinishEvent, TokenEvent
+from basert.server.access_log import RequestRecord
 from basert.server.catalog import ServedModel
 from basert.server.errors import invalid
 from basert.server.generation import (
     ChoiceSet,
     ServerLimits,
     chat_logprobs,
-    check_prompt_ids,
-    completion_logprobs,
-    completion_prompts,
     engine_requests,
     max_tokens_of,
     new_id,
-    sse,
+    output_grammar,
     timings_body,
     usage_body,
 )
-from basert.server.schemas import ChatCompletionRequest, CompletionRequest
+from basert.server.schemas import ChatCompletionRequest
 
+# --- rendering ----------------------------------------------------------------------------------
 
-@dataclass(slots=True)
-class RequestRecord:
-    """What the access log and metrics need about one finished request."""
-
-    model: str = ""
-    slot: int | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_per_second: float = 0.0
-    predicted_per_second: float = 0.0
-    ttft_ms: float = 0.0
-    finish_reason: str = ""
-    timed_out: bool = False
-
-    def absorb(self, done_list: list[FinishEvent]) -> None:
-        if not done_list:
-            return
-        first = done_list[0]
-        timings = first.timings.as_dict(first.usage.cached_tokens)
-        self.slot = first.slot
-        self.cached_tokens = first.usage.cached_tokens
-        self.completion_tokens = sum(d.usage.completion_tokens for d in done_list)
-        self.prompt_per_second = timings["prompt_per_second"]
-        self.predicted_per_second = timings["predicted_per_second"]
-        self.ttft_ms = first.timings.ttft_ms
-        self.finish_reason = ",".join(sorted({d.finish_reason for d in done_list}))
-        self.timed_out = any(d.timed_out for d in done_list)
-
-
-# --- chat ---------------------------------------------------------------------------------------
 
 @dataclass(slots=True)
 class ChatPlan:
@@ -70,6 +53,18 @@ class ChatPlan:
     starts_in_reasoning: bool
     has_reasoning: bool
     segment_ends: tuple[int, ...] = ()
+
+
+def continues_final_message(body: ChatCompletionRequest) -> bool:
+    """Whether the prompt continues the final message (an assistant prefill) rather than opening a new turn.
+
+    A final assistant message is continued unless `continue_final_message` is false; asking to continue any other
+    final message is a 400.
+    """
+    final_is_assistant = body.messages[-1].role == "assistant"
+    if body.continue_final_message and not final_is_assistant:
+        raise invalid("continue_final_message needs a final assistant message", "continue_final_message")
+    return final_is_assistant and body.continue_final_message is not False
 
 
 def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
@@ -93,13 +88,31 @@ def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
         template_tools = None
     encoder = ChatEncoder(tokenizer)
     messages = encoder.hide(messages)
-    rendered = template.render(messages, tools=encoder.hide(template_tools), add_generation_prompt=True, **kwargs)
+    template_tools = encoder.hide(template_tools)
+    if continues_final_message(body):
+        rendered = render_prefill(template, messages, template_tools, kwargs)
+    else:
+        rendered = template.render(messages, tools=template_tools, add_generation_prompt=body.add_generation_prompt,
+                                   **kwargs)
     prompt = encoder.encode(rendered)
     has_reasoning = "<think>" in (tokenizer.chat_template or "") or "<think>" in rendered
     segment_ends = ()
     if model.wants_segment_ends:
         segment_ends = message_boundaries(encoder, messages, rendered, prompt)
     return ChatPlan(prompt, use_tools, opens_in_prompt(rendered), has_reasoning, segment_ends)
+
+
+def render_prefill(template: ChatTemplate, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+    """The prompt that continues the final message: the conversation rendered with it, cut right after its text
+    (the template's end-of-turn markup dropped); where the template changes that text, the conversation before it
+    with a generation prompt, then the text."""
+    text = content_text(messages[-1].get("content"))
+    if text:
+        closed = template.render(messages, tools=tools, add_generation_prompt=False, **kwargs)
+        at = closed.rfind(text)
+        if at >= 0:
+            return closed[: at + len(text)]
+    return template.render(messages[:-1], tools=tools, add_generation_prompt=True, **kwargs) + text
 
 
 def message_boundaries(encoder: ChatEncoder, messages: list[dict], rendered: str, prompt: list[int]) -> tuple[int, ...]:
@@ -126,33 +139,44 @@ def message_boundaries(encoder: ChatEncoder, messages: list[dict], rendered: str
     return tuple(sorted(end for end in ends if end > 0))
 
 
+def forced_tool(body: ChatCompletionRequest) -> tuple[bool, str | None]:
+    """(a call is required, the name it must have) from `tool_choice`."""
+    choice = body.tool_choice
+    name = choice.function.name if hasattr(choice, "function") else None
+    return choice == "required" or name is not None, name
+
+
 def is_constrained(body: ChatCompletionRequest, tools: list[dict] | None) -> bool:
-    """True when a grammar will shape the output (forced tool call or a JSON response format)."""
-    forced = body.tool_choice == "required" or hasattr(body.tool_choice, "function")
-    json_format = body.response_format is not None and body.response_format.type != "text"
-    return (forced and bool(tools)) or json_format
+    """True when a grammar will shape the output (a forced tool call, a grammar, a schema or a JSON format)."""
+    forced, _ = forced_tool(body)
+    return (forced and bool(tools)) or body.output_constraint() is not None
+
+
+def calls_allowed(body: ChatCompletionRequest) -> int:
+    """The most tool calls one turn may make: one with `parallel_tool_calls` false or a named tool_choice."""
+    _, name = forced_tool(body)
+    return MAX_TOOL_CALLS_PER_TURN if body.parallel_tool_calls and name is None else 1
 
 
 def constraint_factory_for(model: ServedModel, body: ChatCompletionRequest, tools: list[dict] | None):
-    """A per-choice grammar matcher factory for forced tool calls and JSON response formats, or None."""
-    choice = body.tool_choice
-    forced_name = choice.function.name if hasattr(choice, "function") else None
-    if tools and (choice == "required" or forced_name):
+    """A per-choice grammar matcher factory for forced tool calls and constrained output formats, or None."""
+    forced, forced_name = forced_tool(body)
+    if forced and not tools:
+        raise invalid("tool_choice requires tools", "tool_choice")
+    if forced:
         if forced_name and forced_name not in {t["function"]["name"] for t in tools}:
             raise invalid(f"tool_choice names {forced_name!r}, which is not in tools", "tool_choice")
         factory = model.grammar_factory()
-        # Exactly one call: with "more calls allowed" a weak model keeps opening new ones until
-        # max_tokens, and the cut-off call would turn the whole answer into a "length" finish.
-        grammar = factory.tool_call(tools, model.dialect, name=forced_name, parallel=False)
+        grammar = factory.tool_call(tools, model.dialect, name=forced_name, max_calls=calls_allowed(body))
         return lambda: factory.matcher(grammar)
-    if (choice == "required" or forced_name) and not tools:
-        raise invalid("tool_choice requires tools", "tool_choice")
-    fmt = body.response_format
-    if fmt is not None and fmt.type != "text":
-        factory = model.grammar_factory()
-        grammar = factory.json_object() if fmt.type == "json_object" else factory.json_schema(fmt.json_schema.schema_)
-        return lambda: factory.matcher(grammar)
-    return None
+    grammar = output_grammar(model, body)
+    if grammar is None:
+        return None
+    factory = model.grammar_factory()
+    return lambda: factory.matcher(grammar)
+
+
+# --- per-choice output --------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -166,7 +190,7 @@ class ChatChoiceState:
     ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
-    def feed(self, text: str) -> tuple[str, str, list]:
+    def feed(self, text: str) -> tuple[str, str, list[ToolCallDelta]]:
         """Split new text into (reasoning delta, content delta, tool-call deltas)."""
         reasoning_delta, content = self.reasoning.feed(text) if self.reasoning else ("", text)
         deltas = []
@@ -177,7 +201,7 @@ class ChatChoiceState:
         self.content += content
         return reasoning_delta, content, deltas
 
-    def finish(self, truncated: bool) -> tuple[str, str, list]:
+    def finish(self, truncated: bool) -> tuple[str, str, list[ToolCallDelta]]:
         reasoning_delta, content = self.reasoning.finish() if self.reasoning else ("", "")
         deltas = []
         if self.tools is not None:
@@ -192,18 +216,89 @@ class ChatChoiceState:
         return reasoning_delta, content, deltas
 
     @property
-    def tool_calls(self) -> list:
+    def tool_calls(self) -> list[ToolCall]:
         return self.tools.tool_calls if self.tools is not None else []
 
 
-def chat_states(model: ServedModel, plan: ChatPlan, n: int) -> list[ChatChoiceState]:
-    return [
-        ChatChoiceState(
-            ReasoningParser(starts_in_reasoning=plan.starts_in_reasoning) if plan.has_reasoning else None,
-            make_tool_parser(model.dialect, plan.tools) if plan.tools else None,
-        )
-        for _ in range(n)
-    ]
+@dataclass(slots=True)
+class ChoiceDelta:
+    """New output of one choice; `logprobs` is the OpenAI chat form for the token it came from, when asked for."""
+
+    index: int
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    logprobs: dict | None = None
+
+
+@dataclass(slots=True)
+class ChoiceEnd:
+    """The end of one choice: why it ended ("stop", "length" or "tool_calls"), all it produced, the engine's event."""
+
+    index: int
+    finish_reason: str
+    state: ChatChoiceState
+    done: FinishEvent
+
+
+class ChatRun:
+    """One chat request submitted to its model: `events()` runs it to the end, then `usage()` and `timings()`."""
+
+    def __init__(self, model: ServedModel, body: ChatCompletionRequest, plan: ChatPlan, choices: ChoiceSet,
+                 record: RequestRecord, response_id: str):
+        self.model = model
+        self.body = body
+        self.plan = plan
+        self.choices = choices
+        self.record = record
+        self.response_id = response_id
+        self.created = int(time.time())
+        self.want_logprobs = body.logprobs or body.top_logprobs > 0
+        self.done_list: list[FinishEvent] = []
+        self.states = [
+            ChatChoiceState(
+                ReasoningParser(starts_in_reasoning=plan.starts_in_reasoning) if plan.has_reasoning else None,
+                make_tool_parser(model.dialect, plan.tools) if plan.tools else None,
+            )
+            for _ in choices.requests
+        ]
+
+    async def events(self) -> AsyncIterator[ChoiceDelta | ChoiceEnd]:
+        """The choices' deltas and ends, choice after choice; an engine failure is raised. Cancels what is left of
+        the request when the consumer stops early."""
+        try:
+            for index, state in enumerate(self.states):
+                async for reply in self.choices.replies(index):
+                    if isinstance(reply, TokenEvent):
+                        state.ids.append(reply.token_id)
+                        state.logprobs.append(reply.logprob)
+                        logprobs = None
+                        if self.want_logprobs:
+                            logprobs = chat_logprobs(self.model, [reply.token_id], [reply.logprob])
+                        delta = ChoiceDelta(index, *state.feed(reply.text), logprobs=logprobs)
+                        if delta.reasoning or delta.content or delta.tool_calls or (logprobs and logprobs["content"]):
+                            yield delta
+                        continue
+                    reasoning, content, calls = state.feed(reply.text)
+                    more_reasoning, more_content, more_calls = state.finish(truncated=reply.finish_reason == "length")
+                    delta = ChoiceDelta(index, reasoning + more_reasoning, content + more_content, calls + more_calls)
+                    if delta.reasoning or delta.content or delta.tool_calls:
+                        yield delta
+                    self.done_list.append(reply)
+                    yield ChoiceEnd(index, finish_reason_of(reply, state), state, reply)
+        finally:
+            self.choices.close()
+            self.record.absorb(self.done_list)
+
+    async def results(self) -> list[ChoiceEnd]:
+        """Run to the end; every choice's end."""
+        return [event async for event in self.events() if isinstance(event, ChoiceEnd)]
+
+    def usage(self) -> dict:
+        return usage_body(len(self.plan.prompt), self.done_list)
+
+    def timings(self) -> dict:
+        return timings_body(self.done_list)
 
 
 def finish_reason_of(done: FinishEvent, state: ChatChoiceState) -> str:
@@ -212,194 +307,20 @@ def finish_reason_of(done: FinishEvent, state: ChatChoiceState) -> str:
     return done.finish_reason
 
 
-async def chat_completion(model: ServedModel, body: ChatCompletionRequest, limits: ServerLimits,
-                          record: RequestRecord):
-    """A chat.completion object, or an async iterator of SSE chunks when streaming."""
+async def start_chat(model: ServedModel, body: ChatCompletionRequest, limits: ServerLimits, record: RequestRecord,
+                     id_prefix: str = "chatcmpl") -> ChatRun:
+    """Render and submit a chat request; returns once its first choice has started, so that a refusal (a bad
+    conversation, a busy slot, a context overflow) is raised before any response byte."""
     plan = plan_chat(model, body)
     want_logprobs = body.logprobs or body.top_logprobs > 0
+    response_id = new_id(id_prefix)
+    stop_after = (CLOSE_TAG, calls_allowed(body)) if plan.tools else None
     requests = engine_requests(model, body, plan.prompt, max_tokens_of(body), limits,
                                logprobs=want_logprobs, top_logprobs=body.top_logprobs,
                                constraint_factory=constraint_factory_for(model, body, plan.tools),
-                               id_prefix=new_id("chatcmpl"), segment_ends=plan.segment_ends)
+                               id_prefix=response_id, segment_ends=plan.segment_ends, stop_after=stop_after)
     record.prompt_tokens = len(plan.prompt)
     choices = ChoiceSet(model, requests)
-    states = chat_states(model, plan, len(requests))
-    response_id = requests[0].request_id.rsplit("-", 1)[0]
-    created = int(time.time())
     await choices.submit(body.id_slot)
-    if body.stream:
-        await choices.started()
-        return stream_chat(model, body, choices, states, response_id, created, record)
-    try:
-        done_list = []
-        for index in range(len(requests)):
-            state = states[index]
-            async for reply in choices.replies(index):
-                if isinstance(reply, TokenEvent):
-                    state.ids.append(reply.token_id)
-                    state.logprobs.append(reply.logprob)
-                    state.feed(reply.text)
-                else:
-                    state.feed(reply.text)
-                    state.finish(truncated=reply.finish_reason == "length")
-                    done_list.append(reply)
-    finally:
-        choices.close()
-    record.absorb(done_list)
-    out_choices = []
-    for index, (state, done) in enumerate(zip(states, done_list)):
-        content = state.content if (state.content or not state.tool_calls) else None
-        message: dict = {"role": "assistant", "content": content}
-        if state.reasoning_text:
-            message["reasoning_content"] = state.reasoning_text
-        if state.tool_calls:
-            message["tool_calls"] = [call.to_openai() for call in state.tool_calls]
-        choice = {"index": index, "message": message, "finish_reason": finish_reason_of(done, state),
-                  "logprobs": chat_logprobs(model, state.ids, state.logprobs) if want_logprobs else None}
-        out_choices.append(choice)
-    return {
-        "id": response_id, "object": "chat.completion", "created": created, "model": model.info.id,
-        "choices": out_choices, "usage": usage_body(len(plan.prompt), done_list),
-        "timings": timings_body(done_list), "system_fingerprint": model.info.fingerprint,
-    }
-
-
-async def stream_chat(model: ServedModel, body: ChatCompletionRequest, choices: ChoiceSet,
-                      states: list[ChatChoiceState], response_id: str, created: int,
-                      record: RequestRecord) -> AsyncIterator[bytes]:
-    want_logprobs = body.logprobs or body.top_logprobs > 0
-    base = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model.info.id,
-            "system_fingerprint": model.info.fingerprint}
-
-    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
-        return sse({**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish,
-                                         "logprobs": logprobs}]})
-
-    def deltas_of(reasoning: str, content: str, tool_deltas: list) -> list[dict]:
-        out = []
-        if reasoning:
-            out.append({"reasoning_content": reasoning})
-        if content:
-            out.append({"content": content})
-        if tool_deltas:
-            out.append({"tool_calls": [d.to_openai() for d in tool_deltas]})
-        return out
-
-    done_list: list[FinishEvent] = []
-    try:
-        for index in range(len(choices.requests)):
-            state = states[index]
-            yield chunk(index, {"role": "assistant", "content": ""})
-            async for reply in choices.replies(index):
-                if isinstance(reply, TokenEvent):
-                    logprobs = chat_logprobs(model, [reply.token_id], [reply.logprob]) if want_logprobs else None
-                    parts = deltas_of(*state.feed(reply.text))
-                    for part in parts:
-                        yield chunk(index, part, logprobs=logprobs)
-                        logprobs = None
-                    if logprobs is not None and logprobs["content"]:
-                        yield chunk(index, {}, logprobs=logprobs)
-                else:
-                    parts = deltas_of(*state.feed(reply.text)) + deltas_of(
-                        *state.finish(truncated=reply.finish_reason == "length"))
-                    for part in parts:
-                        yield chunk(index, part)
-                    done_list.append(reply)
-                    yield chunk(index, {}, finish_reason_of(reply, state))
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse({**base, "choices": [], "usage": usage_body(record.prompt_tokens, done_list),
-                       "timings": timings_body(done_list)})
-        yield sse("[DONE]")
-    except Exception as exc:  # after the first byte: an error event, then [DONE]
-        from basert.server.errors import to_api_error
-
-        yield sse(to_api_error(exc).body())
-        yield sse("[DONE]")
-    finally:
-        choices.close()
-        record.absorb(done_list)
-
-
-# --- completions --------------------------------------------------------------------------------
-
-async def completion(model: ServedModel, body: CompletionRequest, limits: ServerLimits, record: RequestRecord):
-    """A text_completion object, or an async iterator of SSE chunks when streaming."""
-    prompts = completion_prompts(model, body)
-    for prompt in prompts:
-        check_prompt_ids(model, prompt)
-    want_logprobs = body.logprobs is not None
-    response_id = new_id("cmpl")
-    requests = []
-    for p_index, prompt in enumerate(prompts):
-        requests += engine_requests(model, body, prompt, max_tokens_of(body), limits, logprobs=want_logprobs,
-                                    top_logprobs=body.logprobs or 0, id_prefix=f"{response_id}-{p_index}")
-    if body.stream and len(prompts) > 1:
-        raise invalid("streaming supports one prompt per request", "prompt")
-    record.prompt_tokens = sum(len(p) for p in prompts)
-    choices = ChoiceSet(model, requests)
-    created = int(time.time())
-    prompt_of = [prompts[i // body.n] for i in range(len(requests))]
-    echo_text = [model.tokenizer.decode(p) if (body.echo and model.tokenizer) else "" for p in prompt_of]
-    await choices.submit(body.id_slot)
-    if body.stream:
-        await choices.started()
-        return stream_completion(model, body, choices, response_id, created, echo_text, record)
-    try:
-        texts, done_list, ids, lps = [], [], [], []
-        for index in range(len(requests)):
-            text, choice_ids, choice_lps = echo_text[index], [], []
-            async for reply in choices.replies(index):
-                text += reply.text
-                if isinstance(reply, TokenEvent):
-                    choice_ids.append(reply.token_id)
-                    choice_lps.append(reply.logprob)
-                else:
-                    done_list.append(reply)
-            texts.append(text)
-            ids.append(choice_ids)
-            lps.append(choice_lps)
-    finally:
-        choices.close()
-    record.absorb(done_list)
-    out = []
-    for index, (text, done) in enumerate(zip(texts, done_list)):
-        out.append({"index": index, "text": text, "finish_reason": done.finish_reason,
-                    "logprobs": completion_logprobs(model, ids[index], lps[index], len(echo_text[index]))
-                    if want_logprobs else None})
-    return {"id": response_id, "object": "text_completion", "created": created, "model": model.info.id,
-            "choices": out, "usage": usage_body(record.prompt_tokens, done_list),
-            "timings": timings_body(done_list), "system_fingerprint": model.info.fingerprint}
-
-
-async def stream_completion(model: ServedModel, body: CompletionRequest, choices: ChoiceSet, response_id: str,
-                            created: int, echo_text: list[str], record: RequestRecord) -> AsyncIterator[bytes]:
-    base = {"id": response_id, "object": "text_completion", "created": created, "model": model.info.id}
-    done_list: list[FinishEvent] = []
-    try:
-        for index in range(len(choices.requests)):
-            if echo_text[index]:
-                yield sse({**base, "choices": [{"index": index, "text": echo_text[index], "finish_reason": None,
-                                                "logprobs": None}]})
-            async for reply in choices.replies(index):
-                finish = reply.finish_reason if isinstance(reply, FinishEvent) else None
-                logprobs = None
-                if isinstance(reply, TokenEvent) and body.logprobs is not None:
-                    logprobs = completion_logprobs(model, [reply.token_id], [reply.logprob], 0)
-                if reply.text or finish or logprobs:
-                    yield sse({**base, "choices": [{"index": index, "text": reply.text, "finish_reason": finish,
-                                                    "logprobs": logprobs}]})
-                if isinstance(reply, FinishEvent):
-                    done_list.append(reply)
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse({**base, "choices": [], "usage": usage_body(record.prompt_tokens, done_list),
-                       "timings": timings_body(done_list)})
-        yield sse("[DONE]")
-    except Exception as exc:
-        from basert.server.errors import to_api_error
-
-        yield sse(to_api_error(exc).body())
-        yield sse("[DONE]")
-    finally:
-        choices.close()
-        record.absorb(done_list)
-
+    await choices.started()
+    return ChatRun(model, body, plan, choices, record, response_id)

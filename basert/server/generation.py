@@ -39,7 +39,8 @@ def sampling_params(body: SamplingFields, choice: int, logprobs: bool, top_logpr
 
 def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int], max_tokens: int | None,
                     limits: ServerLimits, *, logprobs: bool, top_logprobs: int, constraint_factory=None,
-                    id_prefix: str, segment_ends: tuple[int, ...] = ()) -> list[GenerationRequest]:
+                    id_prefix: str, segment_ends: tuple[int, ...] = (),
+                    stop_after: tuple[str, int] | None = None) -> list[GenerationRequest]:
     """One GenerationRequest per choice (each with its own sampler seed and grammar matcher)."""
     if len(prompt) + 1 > model.info.n_ctx:
         raise ContextOverflowError(len(prompt), model.info.n_ctx)
@@ -61,6 +62,7 @@ def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int],
             ignore_eos=body.ignore_eos,
             deadline=deadline,
             segment_ends=segment_ends,
+            stop_after=stop_after,
         ))
     return requests
 
@@ -134,6 +136,21 @@ class ChoiceSet:
                     pass
         for channel in self.channels:
             channel.close()
+
+
+def output_grammar(model: ServedModel, body: SamplingFields):
+    """The grammar a request's `grammar` (GBNF), `json_schema` or `response_format` asks for, or None; an invalid one
+    is a 400."""
+    constraint = body.output_constraint()
+    if constraint is None:
+        return None
+    kind, value = constraint
+    factory = model.grammar_factory()
+    if kind == "gbnf":
+        return factory.gbnf(value)
+    if kind == "json_schema":
+        return factory.json_schema(value)
+    return factory.json_object()
 
 
 def usage_body(prompt_tokens: int, done_list: list[FinishEvent]) -> dict:
@@ -219,10 +236,11 @@ def completion_prompts(model: ServedModel, body: CompletionRequest) -> list[list
     return [list(p) for p in prompt]
 
 
-def max_tokens_of(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+def max_tokens_of(body: SamplingFields) -> int | None:
+    """The request's token budget, or None for the server's default."""
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         return body.max_completion_tokens
-    return body.max_tokens
+    return body.token_budget()
 
 
 def check_prompt_ids(model: ServedModel, prompt: list[int]) -> None:

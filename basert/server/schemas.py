@@ -44,14 +44,26 @@ class JsonSchemaFormat(Lenient):
 
 
 class ResponseFormat(Lenient):
+    """OpenAI's `{"type": "json_schema", "json_schema": {"schema": …}}`, or llama.cpp's `schema` beside the type."""
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
     @model_validator(mode="after")
     def schema_present(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
+        if self.type == "json_schema" and self.json_schema is None and self.schema_ is None:
             raise ValueError("response_format of type json_schema needs a json_schema object")
         return self
+
+    def constraint(self) -> tuple[str, Any] | None:
+        """("json_schema", schema), ("json_object", None), or None for text."""
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else self.schema_
+        if schema is not None:
+            return "json_schema", schema
+        return "json_object", None
 
 
 class StreamOptions(Lenient):
@@ -75,6 +87,7 @@ class Message(Lenient):
 class SamplingFields(Lenient):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    n_predict: int | None = Field(default=None, ge=-1)   # llama.cpp's max_tokens; -1: the server's default
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
@@ -91,6 +104,33 @@ class SamplingFields(Lenient):
     logit_bias: dict[str, float] | None = None
     id_slot: int | None = Field(default=None, ge=-1)     # -1: any slot, as in llama.cpp
     ignore_eos: bool = False
+    # Constrained output, one at a time: llama.cpp's GBNF `grammar` and `json_schema`, OpenAI's `response_format`.
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def one_output_constraint(self) -> SamplingFields:
+        given = [name for name in ("grammar", "json_schema") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise ValueError(f"give at most one of grammar, json_schema and response_format, not {' and '.join(given)}")
+        return self
+
+    def output_constraint(self) -> tuple[str, Any] | None:
+        """("gbnf", text), ("json_schema", schema), ("json_object", None), or None: what the output must match."""
+        if self.grammar is not None:
+            return "gbnf", self.grammar
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        return self.response_format.constraint() if self.response_format is not None else None
+
+    def token_budget(self) -> int | None:
+        """max_tokens, or llama.cpp's n_predict (-1 and 0: the server's default)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return self.n_predict if self.n_predict is not None and self.n_predict > 0 else None
 
     @field_validator("stop")
     @classmethod
@@ -121,10 +161,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool | None = None    # None: a final assistant message is continued (a prefill)
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -6,11 +6,11 @@ from collections.abc import AsyncIterator
 
 from quart import Blueprint, Response, request
 
-from basert.server.access_log import log_request
+from basert.server.access_log import RequestRecord, log_request
 from basert.server.catalog import ServedModel
-from basert.server.chat_api import RequestRecord, chat_completion, completion
 from basert.server.errors import invalid
 from basert.server.json_input import request_json
+from basert.server.openai_api import chat_completion, completion
 from basert.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from basert.server.state import server_state
 
