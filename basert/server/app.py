@@ -17,9 +17,13 @@ from basert.server.catalog import ModelCatalog
 from basert.server.errors import ApiError, internal_error, not_found, to_api_error, unavailable
 from basert.server.logs import printable
 from basert.server.rate_limit import RateLimiter
+from basert.server.routes.anthropic import anthropic
+from basert.server.routes.embeddings import embeddings
 from basert.server.routes.files import files
+from basert.server.routes.llama import llama
 from basert.server.routes.openai import openai
 from basert.server.routes.operations import operations
+from basert.server.routes.responses import responses
 from basert.server.routes.slots import slots
 from basert.server.state import ServerSettings, ServerState, server_state
 
@@ -41,7 +45,7 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
     app.before_request(admit_request)
     app.after_request(finish_response)
     app.register_error_handler(Exception, handle_error)
-    for blueprint in (openai, slots, files, operations):
+    for blueprint in (openai, llama, anthropic, responses, embeddings, slots, files, operations):
         app.register_blueprint(blueprint)
     return app
 
