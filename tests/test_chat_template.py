@@ -266,6 +266,15 @@ def test_raise_exception_in_template(messages: list[dict], message: str) -> None
     assert str(info.value) == message
 
 
+def test_gemma_refuses_two_assistant_turns_in_a_row() -> None:
+    gemma = load("google-gemma-2-2b-it.jinja", bos_token="<bos>")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    assert gemma.render(turns).endswith("<start_of_turn>model\n")
+    with pytest.raises(ChatTemplateError) as info:
+        gemma.render([*turns, {"role": "assistant", "content": "Again."}])
+    assert str(info.value) == "Conversation roles must alternate user/assistant/user/assistant/..."
+
+
 @pytest.mark.parametrize(
     ("source", "message"),
     [

@@ -110,19 +110,28 @@ CASES = {
         "\n\nCompare a < b, <tool_cal is not a tag, nor is <tool_call without its bracket <\n\n",
         [],
     ),
+    # A call cut off after its head keeps the arguments that were complete: they were streamed already.
     "truncated_json": Case(
         QWEN_JSON,
-        'Looking it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
-        'Looking it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
-        [],
+        'Looking it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"days": 2, "city": "Par',
+        "Looking it up.",
+        [("get_weather", '{"days":2}')],
         truncated=True,
     ),
     "truncated_xml_after_call": Case(
         QWEN_XML,
         "<tool_call>\n<function=lookup>\n<parameter=id>\n1\n</parameter>\n</function>\n</tool_call>\n"
         "<tool_call>\n<function=lookup>\n<parameter=id>\n2\n</parameter>\n</function>\n</tool_",
-        "<tool_call>\n<function=lookup>\n<parameter=id>\n2\n</parameter>\n</function>\n</tool_",
-        [("lookup", '{"id":"1"}')],
+        "",
+        [("lookup", '{"id":"1"}'), ("lookup", '{"id":"2"}')],
+        truncated=True,
+    ),
+    # Without a complete head (name and the opening of the arguments) an unterminated call is content.
+    "truncated_before_the_head": Case(
+        QWEN_JSON,
+        'Looking it up.\n<tool_call>\n{"name": "get_wea',
+        'Looking it up.\n<tool_call>\n{"name": "get_wea',
+        [],
         truncated=True,
     ),
 }
@@ -206,18 +215,20 @@ def test_streamed_content_never_holds_a_tag_fragment(name: str) -> None:
 def test_first_delta_of_each_call_carries_id_and_name() -> None:
     case = CASES["json_two_calls"]
     outcome = run(case, list(case.text))
-    assert [(delta.index, delta.name) for delta in outcome.deltas] == [
-        (0, "get_weather"),
-        (1, "get_weather"),
+    heads = [delta for delta in outcome.deltas if delta.id is not None]
+    assert [(delta.index, delta.name, delta.arguments) for delta in heads] == [
+        (0, "get_weather", ""),
+        (1, "get_weather", ""),
     ]
-    assert [delta.id for delta in outcome.deltas] == [
-        call.id for call in outcome.parser_calls
-    ]
-    assert outcome.deltas[0].to_openai() == {
+    assert [delta.id for delta in heads] == [call.id for call in outcome.parser_calls]
+    # Each call's first delta comes before any of its argument fragments.
+    first_of = {delta.index: position for position, delta in reversed(list(enumerate(outcome.deltas)))}
+    assert all(outcome.deltas[first_of[index]].id is not None for index in first_of)
+    assert heads[0].to_openai() == {
         "index": 0,
         "id": outcome.parser_calls[0].id,
         "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city":"Zürich","days":3}'},
+        "function": {"name": "get_weather", "arguments": ""},
     }
 
 
@@ -228,15 +239,36 @@ def test_argument_fragment_delta_shape() -> None:
     }
 
 
-def test_no_delta_before_the_closing_tag() -> None:
-    parser = make_tool_parser(QWEN_JSON, TOOLS)
-    body = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call'
-    assert parser.feed(body).tool_deltas == []
-    events = parser.feed(">")
-    assert [
-        (delta.index, delta.name, delta.arguments) for delta in events.tool_deltas
-    ] == [(0, "get_weather", '{"city":"Oslo"}')]
-    assert events.content == ""
+@pytest.mark.parametrize(
+    ("dialect", "pieces", "fragments"),
+    [
+        (
+            QWEN_JSON,
+            ['<tool_call>\n{"name": "get_weather", "arguments": {', '"city": "Oslo"', ",", ' "days": 3', "}",
+             "}\n</tool_call", ">"],
+            ["", "", '{"city":"Oslo"', "", ',"days":3', "", "}"],
+        ),
+        (
+            QWEN_XML,
+            ["<tool_call>\n<function=get_weather>\n", "<parameter=city>\nOslo\n</parameter>\n",
+             "<parameter=days>\n3\n</param", "eter>\n</function>\n</tool_call>"],
+            ["", '{"city":"Oslo"', "", ',"days":3}'],
+        ),
+    ],
+)
+def test_arguments_stream_as_each_one_completes(dialect: str, pieces: list[str], fragments: list[str]) -> None:
+    """The head goes out once the arguments open, then one compact fragment per complete argument, before the
+    closing tag; the fragments join into the call's arguments."""
+    parser = make_tool_parser(dialect, TOOLS)
+    sent = []
+    for piece in pieces:
+        deltas = parser.feed(piece).tool_deltas
+        sent.append("".join(delta.arguments for delta in deltas))
+        assert [delta.name for delta in deltas if delta.id is not None] in ([], ["get_weather"])
+    assert sent == fragments
+    assert parser.finish(False).tool_deltas == []
+    [call] = parser.tool_calls
+    assert (call.name, call.arguments) == ("get_weather", '{"city":"Oslo","days":3}')
 
 
 def test_call_ids_are_unique_and_prefixed() -> None:
@@ -271,35 +303,45 @@ def parse(
 
 
 @pytest.mark.parametrize("truncated", [True, False])
-def test_unterminated_call_is_content(truncated: bool) -> None:
-    text = (
-        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-    )
-    assert parse(QWEN_JSON, text, truncated=truncated) == (text, [])
+def test_unterminated_call_with_its_head_is_a_call(truncated: bool) -> None:
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    assert parse(QWEN_JSON, text, truncated=truncated) == ("Sure.", [("get_weather", '{"city":"Oslo"}')])
 
 
 @pytest.mark.parametrize(
     ("dialect", "body"),
     [
-        (QWEN_JSON, '{"name": "get_weather", "arguments": {"city": }}'),
         (QWEN_JSON, '{"arguments": {"city": "Oslo"}}'),
         (QWEN_JSON, '{"name": "get_weather", "arguments": ["Oslo"]}'),
         (QWEN_JSON, '{"name": "get_weather", "arguments": "not json"}'),
-        (QWEN_JSON, '{"name": "get_weather", "arguments": {"days": NaN}}'),
+        (QWEN_JSON, '{"name": "", "arguments": {}}'),
         (QWEN_JSON, '["get_weather"]'),
         (QWEN_JSON, "[" * 100_000),
         (QWEN_XML, "<parameter=city>\nOslo\n</parameter>"),
-        (
-            QWEN_XML,
-            "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\nstray text\n</function>",
-        ),
-        (QWEN_XML, "<function=get_weather>\n<parameter=city>\nOslo\n</function>"),
         (QWEN_XML, "<function=>\n</function>"),
     ],
 )
-def test_malformed_call_is_content(dialect: str, body: str) -> None:
+def test_a_body_without_a_call_head_is_content(dialect: str, body: str) -> None:
     text = f"Before.\n{OPEN_TAG}\n{body}\n{CLOSE_TAG}\nAfter."
     assert parse(dialect, text) == (text, [])
+
+
+@pytest.mark.parametrize(
+    ("dialect", "body", "arguments"),
+    [
+        (QWEN_JSON, '{"name": "get_weather", "arguments": {"city": }}', "{}"),
+        (QWEN_JSON, '{"name": "get_weather", "arguments": {"city": "Oslo", "days": NaN}}', '{"city":"Oslo"}'),
+        (QWEN_XML, "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\nstray text\n</function>",
+         '{"city":"Oslo"}'),
+        (QWEN_XML, "<function=get_weather>\n<parameter=city>\nOslo\n</function>", "{}"),
+    ],
+)
+def test_a_malformed_body_after_its_head_keeps_the_complete_arguments(dialect: str, body: str,
+                                                                     arguments: str) -> None:
+    """Once the head is out the call cannot be taken back: its arguments are those that were complete (valid
+    JSON), whatever follows."""
+    text = f"Before.\n{OPEN_TAG}\n{body}\n{CLOSE_TAG}\nAfter."
+    assert parse(dialect, text) == ("Before.\nAfter.", [("get_weather", arguments)])
 
 
 def test_malformed_call_does_not_take_an_index() -> None:
@@ -307,7 +349,7 @@ def test_malformed_call_does_not_take_an_index() -> None:
     parser = make_tool_parser(QWEN_JSON, TOOLS)
     deltas = parser.feed(text).tool_deltas + parser.finish(False).tool_deltas
     assert [(delta.index, delta.name, delta.arguments) for delta in deltas] == [
-        (0, "get_weather", "{}")
+        (0, "get_weather", ""), (0, None, "{}")
     ]
     assert parser.content == '<tool_call>\n{"name": }\n</tool_call>'
 

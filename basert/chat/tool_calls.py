@@ -118,13 +118,19 @@ def inject_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
 class ToolCallParser(ABC):
     """Streaming parser for one choice of one request: splits generated text into content and tool calls.
 
-    A call is reported only once its closing tag is seen, because a streamed delta cannot be taken back
-    when generation stops inside the call. Whitespace that only separates content from calls is dropped.
+    A call streams as it is generated: once its head (the function name and the opening of its arguments) is
+    complete, a delta with the call's id and name goes out, then one fragment per complete argument (`{"a":1`,
+    `,"b":"x"`), then the closing `}` when the call closes. Every fragment is compact JSON, so the arguments
+    streamed are always a prefix of the final string, which is valid JSON. A call whose head was recognised stays
+    a call even if the rest of its body turns out malformed or generation stops inside it: its arguments are the
+    members that were complete. A body without a recognisable head is content. The outcome depends only on the
+    text, never on how it was split into pieces. Whitespace that only separates content from calls is dropped.
     """
 
     __slots__ = (
         "_after_call",
         "_buffer",
+        "_call",
         "_content",
         "_held_ws",
         "_id_prefix",
@@ -137,6 +143,8 @@ class ToolCallParser(ABC):
         # Text not yet resolved: a possible partial open tag outside a call, the whole body inside one.
         self._buffer = ""
         self._in_call = False
+        # The call being streamed, once its head is complete.
+        self._call: _StreamingCall | None = None
         # Trailing whitespace of the content so far, emitted only once more content follows.
         self._held_ws = ""
         # True while nothing but whitespace has followed the last complete call.
@@ -158,11 +166,15 @@ class ToolCallParser(ABC):
         return events
 
     def finish(self, truncated: bool) -> ParserEvents:
-        """End of generation: an unterminated call becomes content, truncated by max_tokens or not."""
+        """End of generation: an unterminated call is closed when its head was recognised, else it is content."""
         events = ParserEvents()
-        self._text(OPEN_TAG + self._buffer if self._in_call else self._buffer, events)
+        if self._in_call:
+            self._in_call = False
+            body, self._buffer = self._buffer, ""
+            if not self._close_streamed_call(body, None, events):
+                self._text(OPEN_TAG + body, events)
+        self._text(self._buffer, events)
         self._buffer = ""
-        self._in_call = False
         if not self._after_call:
             self._emit(self._held_ws, events)
         self._held_ws = ""
@@ -172,16 +184,27 @@ class ToolCallParser(ABC):
     def _parse_body(self, body: str) -> tuple[str, dict[str, Any]] | None:
         """The (name, arguments) of the text between the tags, or None when it is not a well-formed call."""
 
+    @abstractmethod
+    def _head(self, body: str) -> tuple[str, int] | None:
+        """(function name, position after the opening of the arguments) once the body's head is complete."""
+
+    @abstractmethod
+    def _member(self, body: str, position: int) -> tuple[str, Any, int] | None:
+        """(name, value, end) of the next complete argument at `position`, or None when none is complete yet."""
+
     def _step(self, events: ParserEvents) -> bool:
         # One transition of the scanner; False when the buffer needs more text to go on.
         if self._in_call:
             end = self._buffer.find(CLOSE_TAG)
             if end < 0:
+                self._stream(self._buffer, events)
                 return False
             body = self._buffer[:end]
             self._buffer = self._buffer[end + len(CLOSE_TAG) :]
             self._in_call = False
-            self._close_call(body, events)
+            parsed = self._parse_body(body)
+            if not self._close_streamed_call(body, parsed, events):
+                self._close_call(body, parsed, events)
             return True
         start = self._buffer.find(OPEN_TAG)
         if start < 0:
@@ -194,16 +217,46 @@ class ToolCallParser(ABC):
         self._in_call = True
         return True
 
-    def _close_call(self, body: str, events: ParserEvents) -> None:
-        parsed = self._parse_body(body)
+    def _stream(self, body: str, events: ParserEvents) -> None:
+        """Send the head of the call in `body` once it is complete, then each argument that is complete."""
+        call = self._call
+        if call is None:
+            head = self._head(body)
+            if head is None:
+                return
+            name, position = head
+            call = self._call = _StreamingCall(f"{self._id_prefix}{uuid4().hex[:24]}", name, position)
+            events.tool_deltas.append(ToolCallDelta(len(self.tool_calls), call.id, name, ""))
+        while (member := self._member(body, call.position)) is not None:
+            key, value, call.position = member
+            fragment = ("," if call.arguments else "{") + _dump_member(key, value)
+            call.arguments += fragment
+            events.tool_deltas.append(ToolCallDelta(len(self.tool_calls), None, None, fragment))
+
+    def _close_streamed_call(self, body: str, parsed: tuple[str, dict[str, Any]] | None,
+                             events: ParserEvents) -> bool:
+        """Close the call of `body` when its head is recognisable; False when the body is not a call."""
+        self._stream(body, events)
+        call, self._call = self._call, None
+        if call is None:
+            return False
+        complete = _dump(parsed[1]) if parsed is not None and parsed[0] == call.name else ""
+        rest = complete[len(call.arguments):] if complete.startswith(call.arguments) else ""
+        if not rest:
+            rest = "}" if call.arguments else "{}"
+        events.tool_deltas.append(ToolCallDelta(len(self.tool_calls), None, None, rest))
+        self.tool_calls.append(ToolCall(call.id, call.name, call.arguments + rest))
+        self._after_call = True
+        return True
+
+    def _close_call(self, body: str, parsed: tuple[str, dict[str, Any]] | None, events: ParserEvents) -> None:
+        # A well-formed call whose head the streaming scanner does not recognise (arguments as a JSON string).
         if parsed is None:
             self._text(OPEN_TAG + body + CLOSE_TAG, events)
             return
         name, arguments = parsed
         call = ToolCall(f"{self._id_prefix}{uuid4().hex[:24]}", name, _dump(arguments))
-        events.tool_deltas.append(
-            ToolCallDelta(len(self.tool_calls), call.id, call.name, call.arguments)
-        )
+        events.tool_deltas.append(ToolCallDelta(len(self.tool_calls), call.id, call.name, call.arguments))
         self.tool_calls.append(call)
         self._after_call = True
 
@@ -229,6 +282,21 @@ class ToolCallParser(ABC):
             self._content.append(text)
 
 
+@dataclass(slots=True)
+class _StreamingCall:
+    """A call whose head went out: its id and name, the arguments sent so far, where the next argument starts."""
+
+    id: str
+    name: str
+    position: int
+    arguments: str = ""
+
+
+_JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\n]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
+_JSON = json.JSONDecoder(parse_constant=lambda name: _reject_constant(name))
+_WHITESPACE = re.compile(r"\s*")
+
+
 class QwenJsonToolParser(ToolCallParser):
     """Qwen3 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
 
@@ -249,7 +317,33 @@ class QwenJsonToolParser(ToolCallParser):
             arguments = _loads(arguments)
         return (call["name"], arguments) if isinstance(arguments, dict) else None
 
+    def _head(self, body: str) -> tuple[str, int] | None:
+        head = _JSON_HEAD.match(body)
+        if head is None:
+            return None
+        name = _loads(head[1])
+        return (name, head.end()) if isinstance(name, str) and name else None
 
+    def _member(self, body: str, position: int) -> tuple[str, Any, int] | None:
+        position = _WHITESPACE.match(body, position).end()
+        if body.startswith(",", position):
+            position = _WHITESPACE.match(body, position + 1).end()
+        try:
+            key, position = _JSON.raw_decode(body, position)
+            position = _WHITESPACE.match(body, position).end()
+            if not body.startswith(":", position):
+                return None
+            value, position = _JSON.raw_decode(body, _WHITESPACE.match(body, position + 1).end())
+        except (ValueError, RecursionError):
+            return None
+        # A value counts once what follows shows it ended: a number at the end of the text may go on.
+        after = _WHITESPACE.match(body, position).end()
+        if not isinstance(key, str) or after >= len(body) or body[after] not in ",}":
+            return None
+        return key, value, after
+
+
+_FUNCTION_HEAD = re.compile(r"\s*<function=([^>\n]+)>")
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
@@ -268,18 +362,32 @@ class QwenXmlToolParser(ToolCallParser):
         if function is None or not function[1].strip():
             return None
         name, inner = function[1].strip(), function[2]
-        properties = self._schemas.get(name, {})
         arguments: dict[str, Any] = {}
         position = 0
-        while (parameter := _PARAMETER.match(inner, position)) is not None:
-            # The template writes each value between newlines; any further newlines belong to the value.
-            value = parameter[2].removeprefix("\n").removesuffix("\n")
-            key = parameter[1].strip()
-            arguments[key] = _coerce(value, properties.get(key))
-            position = parameter.end()
+        while (member := self._parameter(name, inner, position)) is not None:
+            key, value, position = member
+            arguments[key] = value
         if inner[position:].strip():
             return None
         return name, arguments
+
+    def _head(self, body: str) -> tuple[str, int] | None:
+        head = _FUNCTION_HEAD.match(body)
+        if head is None or not head[1].strip():
+            return None
+        return head[1].strip(), head.end()
+
+    def _member(self, body: str, position: int) -> tuple[str, Any, int] | None:
+        return self._parameter(self._call.name, body, position)
+
+    def _parameter(self, function: str, text: str, position: int) -> tuple[str, Any, int] | None:
+        parameter = _PARAMETER.match(text, position)
+        if parameter is None:
+            return None
+        # The template writes each value between newlines; any further newlines belong to the value.
+        value = parameter[2].removeprefix("\n").removesuffix("\n")
+        key = parameter[1].strip()
+        return key, _coerce(value, self._schemas.get(function, {}).get(key)), parameter.end()
 
 
 def make_tool_parser(
@@ -295,6 +403,11 @@ def make_tool_parser(
 
 def _dump(arguments: dict[str, Any]) -> str:
     return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+
+
+def _dump_member(key: str, value: Any) -> str:
+    """`"key":value` as it appears inside `_dump` of an object holding it."""
+    return _dump({key: value})[1:-1]
 
 
 def _reject_constant(name: str) -> None:
