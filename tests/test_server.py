@@ -76,7 +76,7 @@ def test_chat_stream_and_non_stream_give_the_same_text(server: ServerProcess):
         assert response.headers["content-type"].startswith("text/event-stream")
         events = sse_events(response)
     assert events[-1] == "[DONE]"
-    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
     assert streamed == text
     usage = [e for e in events[:-1] if not e["choices"]][0]["usage"]
     assert usage["completion_tokens"] == whole["usage"]["completion_tokens"]
