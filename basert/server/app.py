@@ -29,7 +29,7 @@ from basert.server.state import ServerSettings, ServerState, server_state
 
 # Paths that hold other users' data or control the server: without an API key only loopback clients reach them.
 PROTECTED_PREFIXES = ("/slots", "/v1/files")
-CORS_ALLOWED_HEADERS = "Authorization, Content-Type, X-Api-Key"
+CORS_ALLOWED_HEADERS = "Authorization, Content-Type, X-Api-Key, anthropic-version, anthropic-beta"
 CORS_ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
 
 
