@@ -16,6 +16,7 @@ from basert.server.files import FilesStore
 from basert.server.generation import ServerLimits
 from basert.server.metrics import ServerMetrics
 from basert.server.rate_limit import RateLimiter
+from basert.server.response_store import ResponseStore
 
 
 @dataclass(slots=True)
@@ -27,6 +28,8 @@ class ServerSettings:
     max_body_bytes: int = 32 * 1024 * 1024
     cors_origins: list[str] = field(default_factory=list)
     rate_limit: int = 0                      # requests per minute per API key (or client address); 0 = off
+    slots_endpoint: bool = True              # GET /slots (off: 501, as llama.cpp's --no-slots)
+    metrics_endpoint: bool = True            # GET /metrics (off: 501, as llama.cpp without --metrics)
 
 
 @dataclass(slots=True)
@@ -38,6 +41,7 @@ class ServerState:
     api_keys: list[bytes] = field(default_factory=list)  # settings.api_keys encoded, for constant-time compares
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     limiter: RateLimiter | None = None
+    responses: ResponseStore = field(default_factory=ResponseStore)   # for previous_response_id
     draining: bool = False
 
     def files(self) -> FilesStore:
