@@ -179,6 +179,13 @@ class Model:
                                   repeat_penalty=repeat_penalty, seed=seed)
         yield from self._events(prompt, GenerationStats(), max_tokens, sampling, stop, stop_at_eos, None)
 
+    # --- embeddings -------------------------------------------------------------------------
+    def embed(self, prompts: Sequence[Prompt], pooling: str = "mean") -> np.ndarray:
+        """L2-normalised embeddings [len(prompts), hidden] float32 of texts or token-id lists: the last hidden
+        states pooled by "mean", "last" or "cls" (the first token). The slot's history is left as it was."""
+        token_lists = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        return self.engine.embed(token_lists, pooling)
+
     # --- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
         self.engine.close()

@@ -3,7 +3,9 @@
 HTTP handlers send messages to its mailbox and await replies on their own channel. The actor
 admits queued requests into free slots, runs `Engine.step` in a worker thread while the event
 loop keeps serving, relays the events, and handles admin messages between steps, so nothing
-ever races a forward. A failing step fails only the requests in it; the actor keeps running.
+ever races a forward. Embeddings are computed between steps too, one token budget of inputs per
+pass of the loop, so a large embedding request never stalls running generations for long. A failing step
+fails only the requests in it; the actor keeps running.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import trio
 
 from basert.actor.messages import (
     CacheSave,
     Cancel,
+    Embed,
     Generate,
     Message,
     SlotErase,
@@ -86,6 +90,15 @@ class Queued:
 
 
 @dataclass(slots=True)
+class Embedding:
+    """An Embed message being computed: its vectors so far and the batches of inputs still to run."""
+
+    message: Embed
+    vectors: np.ndarray
+    batches: deque[list[int]]
+
+
+@dataclass(slots=True)
 class SlotOperationResult:
     slot: int
     n_tokens: int
@@ -110,6 +123,7 @@ class ModelActor:
         self.mailbox, self._inbox = trio.open_memory_channel[Message](math.inf)
         self.waiting: deque[Queued] = deque()
         self.admin: deque[Message] = deque()
+        self.embeddings: deque[Embedding] = deque()
         self.replies: dict[str, trio.MemorySendChannel] = {}
         self.slot_requests: dict[int, str] = {}
         self.steps = 0
@@ -132,11 +146,14 @@ class ModelActor:
                 self._expire_waiting()
                 await self._run_admin()
                 self._admit()
-                if self.engine.has_work:
+                stepped = self.engine.has_work
+                if stepped:
                     events = await trio.to_thread.run_sync(self._step)
                     self.steps += 1
                     self._dispatch(events)
-                else:
+                if self.embeddings:
+                    await self._embed_next()
+                elif not stepped:
                     # Every pass without a step waits for something (a message, a queue deadline, the
                     # cache save, or a moment for a busy slot's admin work), so the loop never spins.
                     wake = min(self._next_cache_save, self._next_expiry())
@@ -156,6 +173,8 @@ class ModelActor:
             self._enqueue(message)
         elif isinstance(message, Cancel):
             self._cancel(message.request_id)
+        elif isinstance(message, Embed):
+            self._enqueue_embedding(message)
         else:
             self.admin.append(message)
 
@@ -270,10 +289,7 @@ class ModelActor:
                 result = await self._admin(message)
             except Exception as exc:
                 result = exc
-            try:
-                message.reply.send_nowait(result)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+            answer(message.reply, result)
         self.admin = postponed
 
     async def _admin(self, message: Message):
@@ -297,6 +313,41 @@ class ModelActor:
             raise TypeError(f"unknown admin message {message!r}")
         return SlotOperationResult(message.slot, saved.n_tokens, saved.n_bytes,
                                    1000 * (time.perf_counter() - started))
+
+    # --- embeddings ---------------------------------------------------------------------------
+    def _enqueue_embedding(self, message: Embed) -> None:
+        """Queue an embedding request, or answer it at once when it can never run or the queue is full."""
+        try:
+            self.engine.check_embedding(message.token_lists)
+        except Exception as exc:
+            answer(message.reply, exc)
+            return
+        if len(self.embeddings) >= self.max_queued:
+            self.refused += 1
+            answer(message.reply, ServerBusyError(self.max_queued, retry_after=1))
+            return
+        vectors = np.empty((len(message.token_lists), self.info.hidden_size), dtype=np.float32)
+        self.embeddings.append(Embedding(message, vectors, deque(self.engine.embedding_batches(message.token_lists))))
+
+    async def _embed_next(self) -> None:
+        """Run the next batch of the oldest embedding request; answer it after its last batch (or a failure).
+        A request whose client has gone is dropped."""
+        job = self.embeddings[0]
+        message = job.message
+        if message.reply.statistics().open_receive_channels == 0:
+            self.embeddings.popleft()
+            return
+        batch = job.batches.popleft()
+        inputs = [message.token_lists[i] for i in batch]
+        try:
+            job.vectors[batch] = await trio.to_thread.run_sync(self.engine.embed, inputs, message.pooling)
+        except Exception as exc:
+            self.embeddings.popleft()
+            answer(message.reply, exc)
+            return
+        if not job.batches:
+            self.embeddings.popleft()
+            answer(message.reply, job.vectors)
 
     def stats(self) -> dict:
         return {"model": self.info.id, "steps": self.steps, "waiting": len(self.waiting),
@@ -344,3 +395,11 @@ class ModelActor:
                  "cache_tokens": slot.sequence.n_past, "cache_position": slot.sequence.n_past,
                  "n_ctx": self.info.n_ctx, "request_id": self.slot_requests.get(slot.index)}
                 for slot in self.engine.slots]
+
+
+def answer(reply: trio.MemorySendChannel, result: object) -> None:
+    """Send an admin or embedding result (or exception) to a handler that may have gone away."""
+    try:
+        reply.send_nowait(result)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass

@@ -60,7 +60,16 @@ class CacheSave:
     reply: trio.MemorySendChannel
 
 
-Message = Generate | Cancel | SlotList | SlotSave | SlotRestore | SlotErase | Stats | CacheSave
+@dataclass(frozen=True, slots=True)
+class Embed:
+    """Embed token lists (replies with the float32 array [len(token_lists), hidden], or the exception)."""
+
+    token_lists: list[list[int]]
+    pooling: str
+    reply: trio.MemorySendChannel
+
+
+Message = Generate | Cancel | SlotList | SlotSave | SlotRestore | SlotErase | Stats | CacheSave | Embed
 
 
 Reply = TokenEvent | FinishEvent | FailEvent

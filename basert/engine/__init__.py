@@ -14,6 +14,8 @@ Where a request goes:
    `TokenEvent`s, then a `FinishEvent` or `FailEvent`.
 4. Drivers: `Engine.generate(requests)` runs requests to completion synchronously (basert.Model, the CLI,
    tools, tests); the server's actor calls `admit`, `cancel` and `step` itself between admin messages.
+5. `Engine.embed(token_lists, pooling)` (embeddings.py) pools the last hidden states of each input, run as a
+   scratch sequence that no slot or cache ever sees.
 
 Saved state (slot snapshots and prefix cache files) is read and written by saved_state.py only.
 """

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from basert.engine.embeddings import POOLINGS
 from basert.engine.engine import Engine
 from basert.engine.info import ModelInfo
 from basert.engine.kv import blocks_for
@@ -38,6 +39,7 @@ class EngineOptions:
     verify_checksums: bool = True
     model_id: str | None = None         # default: org/name inside the models directory, else the file stem
     token_budget: int = DEFAULT_TOKEN_BUDGET
+    pooling: str = "mean"               # of embeddings: mean, last or cls (the first token)
 
     def resolved(self) -> EngineOptions:
         """The options with their implications applied: a cache file implies the prefix cache; the prefix
@@ -60,6 +62,8 @@ class EngineOptions:
             raise ValueError("threads must be at least 1")
         if self.token_budget < 1:
             raise ValueError("token_budget must be at least 1")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}")
 
 
 def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> Engine:
@@ -94,7 +98,8 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
                                           ("prefix_cache_file", options.prefix_cache_file is not None)) if on}
         info = ModelInfo(id=model_id, path=path, arch=runner.arch, vocab_size=runner.vocab_size,
                          n_ctx=options.max_context, fingerprint=runner.fingerprint,
-                         hybrid=runner.n_linear_layers > 0, n_slots=options.n_slots, features=frozenset(features))
+                         hybrid=runner.n_linear_layers > 0, n_slots=options.n_slots,
+                         hidden_size=runner.hidden_size, pooling=options.pooling, features=frozenset(features))
         cache_file = prefix_cache_file(options.prefix_cache_file, model_id) if options.prefix_cache_file else None
         return Engine(runner, tokenizer, info, prefix_cache=prefix_cache, prefix_cache_file=cache_file,
                       max_running=options.n_slots if options.continuous_batching else 1,

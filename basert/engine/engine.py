@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from basert.engine.embeddings import POOLINGS, check_inputs, hidden_states, input_batches, pooled
 from basert.engine.info import ModelInfo
 from basert.engine.kv import BLOCK_SIZE, blocks_for
 from basert.engine.output import RequestOutput
@@ -268,6 +269,32 @@ class Engine:
         """Append one token to an idle slot's history; the logits of the next position, a scratch view valid
         until the next forward."""
         return self.runner.forward([ForwardRequest(self.slots[slot_index].sequence, [int(token)])])[0][0]
+
+    # --- embeddings ---------------------------------------------------------------------------
+    def check_embedding(self, token_lists: list[list[int]]) -> None:
+        """Raise for the first input that cannot be embedded (none at all, empty, too long, bad token ids)."""
+        check_inputs(token_lists, self.runner.vocab_size, self.runner.max_context)
+
+    def embedding_batches(self, token_lists: list[list[int]]) -> list[list[int]]:
+        """The inputs' indices grouped into the calls of `embed` that each run one token budget (or one long
+        input): a driver that interleaves them with steps keeps generation moving."""
+        return input_batches([len(tokens) for tokens in token_lists], self.token_budget)
+
+    def embed(self, token_lists: list[list[int]], pooling: str | None = None) -> np.ndarray:
+        """L2-normalised embeddings [len(token_lists), hidden] float32: each input's last hidden states (the
+        final norm's output) pooled by `pooling` ("mean", "last", "cls"; default: the model's). Each input
+        runs as a fresh scratch sequence: no slot, cached block or recurrent state is touched, and an input's
+        vector is the same alone or with others."""
+        self.check_embedding(token_lists)
+        pooling = pooling or self.info.pooling
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
+        vectors = np.empty((len(token_lists), self.runner.hidden_size), dtype=np.float32)
+        for batch in self.embedding_batches(token_lists):
+            states = hidden_states(self.runner, [token_lists[i] for i in batch], self.token_budget)
+            for index, state in zip(batch, states):
+                vectors[index] = pooled(state, pooling)
+        return vectors
 
     # --- saved state --------------------------------------------------------------------------
     def save_slot(self, slot_index: int, path: Path) -> SnapshotInfo:

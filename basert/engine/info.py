@@ -22,6 +22,8 @@ class ModelInfo:
     fingerprint: str             # xxh64 of the .base header: changes with any weight or config change
     hybrid: bool                 # has recurrent (Gated DeltaNet) layers: state is kept at chat-segment ends
     n_slots: int
+    hidden_size: int             # the width of the last hidden states: the size of an embedding
+    pooling: str = "mean"        # how Engine.embed pools a sequence's hidden states by default: mean, last, cls
     features: frozenset[str] = frozenset()  # "continuous_batching", "paged_kv", "prefix_cache", "prefix_cache_file"
 
     def has(self, feature: str) -> bool:

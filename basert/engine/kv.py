@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -120,6 +121,15 @@ class KVCache:
     def copy_block(self, source: int, target: int) -> None:
         for cache in (*self.k, *self.v):
             cache[target] = cache[source]
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpace:
+    """A block pool and the K/V tensors its block ids index: the runner's shared one, or a private one that
+    holds a scratch sequence's KV (see `ModelRunner.scratch_space`)."""
+
+    pool: BlockPool
+    cache: KVCache
 
 
 class BlockTable:

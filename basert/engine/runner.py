@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from basert._ext import matmul as mm
-from basert.engine.kv import BLOCK_SIZE, BlockPool, BlockTable, KVCache, blocks_for
+from basert.engine.kv import BLOCK_SIZE, BlockPool, BlockTable, KVCache, KVSpace, blocks_for
 from basert.engine.sequence import RECURRENT_DTYPE, RecurrentState, SequenceState
 from basert.errors import InvalidRequestError
 from basert.format import BaseFile
@@ -27,8 +27,12 @@ LogitsWanted = Literal["last", "all", "none"]
 
 
 class ContextOverflowError(InvalidRequestError, ValueError):
-    """A sequence would grow past the context window."""
+    """A sequence would grow past the context window.
 
+    The envelope carries llama.cpp's type and OpenAI's code, so clients of either recognise it.
+    """
+
+    error_type = "exceed_context_size_error"
     code = "context_length_exceeded"
     param = "messages"
 
@@ -108,6 +112,10 @@ class ModelRunner:
         return self.config.vocab_size
 
     @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
     def kv_dtype(self) -> np.dtype:
         """Element type of the KV cache (also of a model without attention layers, whose cache is empty)."""
         return self.kv.dtype
@@ -167,12 +175,26 @@ class ModelRunner:
         """Return a sequence's blocks to the pool and clear its state."""
         sequence.reset(self.pool)
 
-    def forward(self, requests: list[ForwardRequest]) -> list[np.ndarray | None]:
-        """Append each request's tokens to its sequence; logits [n, vocab] per request as asked.
+    def scratch_space(self, n_blocks: int) -> KVSpace:
+        """Where scratch sequences of n_blocks blocks in all may keep their KV without disturbing anyone: the
+        shared pool when its free list holds them (never an evicted cached block, never an idle slot's
+        history), else a private pool of exactly n_blocks, dropped with the space."""
+        if self.pool.n_free >= n_blocks:
+            return KVSpace(self.pool, self.kv)
+        return KVSpace(BlockPool(n_blocks), KVCache(self.n_attention_layers, n_blocks,
+                                                     self.config.num_key_value_heads, self.config.head_dim,
+                                                     self.kv.dtype))
 
-        The logits are views of a scratch array, valid until the next forward: copy what you keep.
-        On an exception the sequences in this call are left inconsistent: reset them.
+    def forward(self, requests: list[ForwardRequest], *, hidden: bool = False,
+                space: KVSpace | None = None) -> list[np.ndarray | None]:
+        """Append each request's tokens to its sequence; logits [n, vocab] per request as asked, or with
+        `hidden` the final norm's output [n, hidden] at those positions (the last hidden states).
+
+        The sequences' blocks come from `space` (default: the shared pool). The results are views of a
+        scratch array, valid until the next forward: copy what you keep. On an exception the sequences in
+        this call are left inconsistent: reset them.
         """
+        pool, kv = (space.pool, space.cache) if space is not None else (self.pool, self.kv)
         if mm.get_num_threads() != self.threads:
             # OpenMP's thread count is per calling thread: the server steps in a worker thread.
             mm.set_num_threads(self.threads)
@@ -206,9 +228,9 @@ class ModelRunner:
             seq = request.sequence
             n_new = len(request.tokens)
             end = seq.n_past + n_new
-            if seq.n_past % BLOCK_SIZE and self.pool.is_shared(int(seq.block_table.ids[seq.n_past // BLOCK_SIZE])):
+            if seq.n_past % BLOCK_SIZE and pool.is_shared(int(seq.block_table.ids[seq.n_past // BLOCK_SIZE])):
                 raise RuntimeError("a sequence would write into a shared KV block")
-            seq.block_table.ensure(end, self.pool)
+            seq.block_table.ensure(end, pool)
             recurrent = seq.recurrent
             items.append(BatchItem(row, n_new, seq.n_past, seq.block_table.view(),
                                    recurrent.conv if recurrent else None,
@@ -229,13 +251,13 @@ class ModelRunner:
             tables[i, : seq.block_table.n_blocks] = seq.block_table.view()
             row += n_new
         batch = Batch(items, tokens, positions, rows, lengths, starts, tables)
-        logits = self.model.forward(batch, self.kv, self.workspace, logit_rows)
+        rows_out = self.model.forward(batch, kv, self.workspace, logit_rows, head=not hidden)
         results: list[np.ndarray | None] = []
         used = 0
         for request in requests:
             request.sequence.tokens.extend(int(t) for t in request.tokens)
             count = {"last": 1, "all": len(request.tokens), "none": 0}[request.logits]
-            results.append(logits[used: used + count] if count else None)
+            results.append(rows_out[used: used + count] if count else None)
             used += count
         return results
 

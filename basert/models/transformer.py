@@ -38,9 +38,11 @@ class DecoderModel:
         """The sizes of the Gated DeltaNet layers' recurrent state; None for attention-only models."""
         return self.config.linear_attention if isinstance(self.config, Qwen35Config) else None
 
-    def forward(self, batch: Batch, kv: KVTensors, ws: Workspace, logit_rows: np.ndarray) -> np.ndarray:
-        """Run all layers over the batch; logits [len(logit_rows), vocab] for the given rows (a view of
-        the workspace, valid until the next forward)."""
+    def forward(self, batch: Batch, kv: KVTensors, ws: Workspace, logit_rows: np.ndarray,
+                head: bool = True) -> np.ndarray:
+        """Run all layers over the batch; logits [len(logit_rows), vocab] for the given rows, or without the
+        head the final norm's output there [len(logit_rows), hidden] (the last hidden states). A view of the
+        workspace, valid until the next forward."""
         t = batch.n_tokens
         x = ws.get("hidden", t, self.hidden)
         mm.embed_rows(self.embed, batch.tokens, x)
@@ -48,10 +50,12 @@ class DecoderModel:
             layer(x, batch, kv, ws)
         n = logit_rows.shape[0]
         if n == 0:
-            return np.zeros((0, self.vocab), dtype=np.float32)
+            return np.zeros((0, self.vocab if head else self.hidden), dtype=np.float32)
         picked = ws.get("head.in", n, self.hidden)
         np.take(x, logit_rows, axis=0, out=picked)
         normed = self.final_norm(picked, ws.get("head.normed", n, self.hidden))
+        if not head:
+            return normed
         logits = ws.get("logits", n, self.vocab)
         mm.matmul(normed, self.head, logits)
         return logits
