@@ -94,7 +94,7 @@ def test_a_class_declares_status_code_param_message_and_extra_fields() -> None:
 def test_engine_and_actor_errors() -> None:
     assert answer(ContextOverflowError(300, 256)) == (
         400, '{"error": {"message": "This model\'s maximum context length is 256 tokens; the request has 300 '
-             'prompt tokens.", "type": "invalid_request_error", "param": "messages", '
+             'prompt tokens.", "type": "exceed_context_size_error", "param": "messages", '
              '"code": "context_length_exceeded", "n_prompt_tokens": 300, "n_ctx": 256}}', {})
     assert answer(SlotOutOfRangeError(7, 2)) == (
         400, '{"error": {"message": "id_slot 7 is not a slot of this model (slots 0..1, or -1 for any)", '

@@ -119,8 +119,6 @@ def test_bad_requests_get_their_envelope_and_the_server_stays_up(server: ServerP
     assert error_envelope(r, 400)["param"] == "messages"
     r = post(server.url, chat, {"messages": [{"role": "user", "content": "hi"}], "temperature": 7})
     assert error_envelope(r, 400)["param"] == "temperature"
-    r = post(server.url, chat, {"model": "no/such-model", "messages": [{"role": "user", "content": "hi"}]})
-    assert error_envelope(r, 404)["code"] == "model_not_found"
     r = post(server.url, "/v1/completions", {"prompt": "word " * 600})
     error = error_envelope(r, 400)
     assert error["code"] == "context_length_exceeded"
@@ -256,8 +254,9 @@ def test_forced_tool_call_streams_the_same_call(server: ServerProcess):
     streamed: dict[int, str] = {}
     for delta in deltas:
         streamed[delta["index"]] = streamed.get(delta["index"], "") + delta["function"]["arguments"]
-    assert [streamed[i] for i in sorted(streamed)] == [call["function"]["arguments"]]
-    assert len(choice["message"]["tool_calls"]) == 1
+    # `required` with parallel_tool_calls (the default) allows more than one call: the stream has them all.
+    assert [streamed[i] for i in sorted(streamed)] == [c["function"]["arguments"]
+                                                       for c in choice["message"]["tool_calls"]]
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
     named = client.chat.completions.create(

@@ -57,9 +57,10 @@ _ENV = _environment()
 class ChatTemplate:
     """A chat template compiled once, rendered per request."""
 
-    __slots__ = ("_template", "_bos_token", "_eos_token", "_supports_tools")
+    __slots__ = ("_source", "_template", "_bos_token", "_eos_token", "_supports_tools")
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        self._source = source
         try:
             ast = _ENV.parse(source)
             self._template = _ENV.from_string(ast)
@@ -69,6 +70,11 @@ class ChatTemplate:
         self._eos_token = eos_token
         # Reading the AST rather than the text: a literal "<tools>" in a prompt is not tool support.
         self._supports_tools = "tools" in jinja2.meta.find_undeclared_variables(ast)
+
+    @property
+    def source(self) -> str:
+        """The template's Jinja text."""
+        return self._source
 
     @property
     def supports_tools(self) -> bool:

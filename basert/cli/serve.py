@@ -56,6 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--files-dir", type=Path, help="enable /v1/files and BaseRT-style slot snapshots")
     p.add_argument("--files-max-bytes", type=int, help="reject uploads beyond this total size")
     p.add_argument("--slot-save-path", type=Path, help="enable llama.cpp-style slot save/restore by filename")
+    p.add_argument("--alias", "-a", metavar="NAME",
+                   help="the id the model is reported by (/v1/models, the responses' model, /props); with one "
+                   "model loaded a request may name any model anyway")
+    p.add_argument("--no-slots", dest="slots_endpoint", action="store_false",
+                   help="turn GET /slots off (it answers 501); slot save, restore and erase stay available")
+    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="Prometheus metrics at GET /metrics (default on; with --no-metrics it answers 501)")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="largest request body accepted (default 32 MiB; larger is 413)")
     p.add_argument("--max-queued", type=int, default=64, metavar="N",
@@ -71,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "finish (default 30); then the caches are saved and the server exits 0")
     p.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from ORIGIN (repeatable; '*' allows any origin)")
+    p.add_argument("--pooling", choices=("mean", "last", "cls"), default="mean",
+                   help="how /v1/embeddings pools the last hidden states of an input: mean, last token, or cls "
+                   "(first token); the vector is L2-normalised (default mean)")
     p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                    help="skip the check of every tensor's checksum at load (faster start, no protection "
                    "against a damaged file)")
@@ -113,6 +123,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return "--rate-limit must be >= 0"
     if args.drain_timeout < 0:
         return "--drain-timeout must be >= 0"
+    if args.alias and len(args.model) + bool(args.model_arg) > 1:
+        return "--alias names the one served model: it cannot be used with several models"
     return None
 
 
@@ -153,6 +165,7 @@ def engine_options(args: argparse.Namespace):
         prefix_cache=args.prefix_cache,
         prefix_cache_file=args.prefix_cache_file,
         verify_checksums=args.verify_checksums,
+        pooling=args.pooling,
     ).resolved()
 
 
@@ -254,7 +267,7 @@ def serve(args: argparse.Namespace) -> int:
             model = load_model(path, args)
         except ModelValidationError as exc:
             raise StartupError(str(exc)) from None
-        catalog.add(model)
+        catalog.add(model, alias=args.alias)
         log.info("loaded %s from %s (%s, n_ctx %d)", model.info.id, path, model.info.arch, model.info.n_ctx)
     settings = ServerSettings(
         api_keys=keys,
@@ -264,6 +277,8 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         cors_origins=list(args.cors_allow_origin),
         rate_limit=args.rate_limit,
+        slots_endpoint=args.slots_endpoint,
+        metrics_endpoint=args.metrics,
     )
     app = create_app(catalog, settings)
     guarded = RequestGuard(app)
@@ -272,6 +287,12 @@ def serve(args: argparse.Namespace) -> int:
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # our handlers, printed once
     config.graceful_timeout = 1.0
+
+    # Until trio's receiver takes over (and again after it hands back, while the caches are saved) a signal is
+    # only noted: the process must not die between loading and serving, nor in the middle of the final save.
+    early_signals: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda received, _frame: early_signals.append(received))
 
     async def main() -> None:
         shutdown = trio.Event()
@@ -288,6 +309,9 @@ def serve(args: argparse.Namespace) -> int:
             # The receiver stays open until the end, so a second signal cuts the drain short instead of
             # killing the process before the caches are saved.
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                if early_signals:
+                    log.info("received %s before serving: draining", signal.Signals(early_signals[0]).name)
+                    nursery.start_soon(drain)
                 async for signum in signals:
                     name = signal.Signals(signum).name
                     if app.basert_state.draining:
@@ -307,8 +331,6 @@ def serve(args: argparse.Namespace) -> int:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)  # the final save is short; a late signal must not cut it off
     for model in catalog.models:
         model.actor.save_prefix_cache()  # the actor has stopped: nothing races the save
         model.actor.close()

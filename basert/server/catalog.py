@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -69,17 +69,26 @@ class ModelCatalog:
     def __init__(self) -> None:
         self.models: list[ServedModel] = []
 
-    def add(self, model: ServedModel) -> None:
+    def add(self, model: ServedModel, alias: str | None = None) -> None:
+        """Serve `model`; an `alias` becomes the id it is reported by (its own id still names it)."""
         model.aliases |= {model.info.id, model.info.path.name, model.info.path.stem}
+        if alias:
+            model.info = replace(model.info, id=alias)
+            model.aliases.add(alias)
         self.models.append(model)
 
     def resolve(self, name: str | None) -> ServedModel:
-        """The model a request names; with one model loaded the name may be omitted."""
+        """The model a request names. With one model loaded any name (or none) means that model, as with
+        llama.cpp's server, so clients that send a fixed name such as "gpt-4o" work unchanged."""
+        if len(self.models) == 1:
+            return self.models[0]
         if not name:
-            if len(self.models) == 1:
-                return self.models[0]
             raise ApiError(400, "several models are loaded: the request must name one", param="model",
                            code="invalid_value")
+        return self.named(name)
+
+    def named(self, name: str) -> ServedModel:
+        """The model with this id or alias, else a 404: for a route that looks a model up (GET /v1/models/{id})."""
         for model in self.models:
             if name in model.aliases:
                 return model

@@ -182,6 +182,33 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
 
+class LlamaCompletionRequest(SamplingFields):
+    """llama.cpp's native /completion: its prompt shapes, its sampling defaults and its own output options."""
+
+    # A string; token ids; a mix of both ([12, "text", 34]); or a list of such prompts (one result each).
+    prompt: str | list[StrictInt | str | list[StrictInt | str]]
+    temperature: float = Field(default=0.8, ge=0.0, le=2.0)
+    top_k: int = Field(default=40, ge=0)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=1)    # one result per prompt: send several prompts for several results
+    n_probs: int = Field(default=0, ge=0, le=20)
+    cache_prompt: bool = True
+    return_tokens: bool = False
+    response_fields: list[str] = Field(default_factory=list)     # e.g. ["content", "generation_settings/n_predict"]
+    # Also llama.cpp's [[token, bias], ...]; a token is an id or a text (each of its tokens); false: never it.
+    logit_bias: dict[str, float | bool] | list[tuple[StrictInt | str, float | bool]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def bias_range(cls, value: dict | list | None) -> dict | list | None:
+        """Biases within [-100, 100] or false; the server turns text into token ids."""
+        pairs = value.items() if isinstance(value, dict) else value or ()
+        if any(not isinstance(bias, bool) and not -100.0 <= bias <= 100.0 for _, bias in pairs):
+            raise ValueError("logit_bias values must be between -100 and 100, or false")
+        return value
+
+
 class TokenizeRequest(Lenient):
     model: str | None = None
     content: str | None = None

@@ -1,8 +1,56 @@
-"""llama.cpp's native routes (llama-server's contract): /completion, /props, /apply-template and the
-route names without /v1."""
+"""llama.cpp's native routes (llama-server's contract): /completion (and /completions, as llama-server routes it),
+/props, /apply-template and the prompt size of a chat request."""
 
 from __future__ import annotations
 
-from quart import Blueprint
+from quart import Blueprint, request
+
+from basert.server.access_log import RequestRecord
+from basert.server.errors import not_supported
+from basert.server.json_input import request_json
+from basert.server.llama_api import chat_input_tokens, native_completion, props, rendered_chat
+from basert.server.routes.openai import finish
+from basert.server.schemas import ChatCompletionRequest, LlamaCompletionRequest
+from basert.server.state import server_state
 
 llama = Blueprint("llama", __name__)
+
+
+@llama.post("/completion")
+@llama.post("/completions")
+async def completion():
+    """A result object, a list of them (several prompts), or llama.cpp's SSE stream."""
+    state = server_state()
+    record = RequestRecord()
+    request.basert_record = record  # type: ignore[attr-defined]
+    body = LlamaCompletionRequest.model_validate(await request_json())
+    model = state.catalog.resolve(body.model)
+    record.model = model.info.id
+    result = await native_completion(model, body, state.settings.limits, record)
+    if isinstance(result, list):
+        return result
+    return finish("/completion", result, record)
+
+
+@llama.get("/props")
+async def get_props():
+    state = server_state()
+    return props(state.catalog.resolve(request.args.get("model")), state.settings.limits)
+
+
+@llama.post("/props")
+async def change_props():
+    raise not_supported("this server's properties cannot be changed through POST /props")
+
+
+@llama.post("/apply-template")
+async def apply_template():
+    body = ChatCompletionRequest.model_validate(await request_json())
+    return rendered_chat(server_state().catalog.resolve(body.model), body)
+
+
+@llama.post("/chat/completions/input_tokens")
+@llama.post("/v1/chat/completions/input_tokens")
+async def input_tokens():
+    body = ChatCompletionRequest.model_validate(await request_json())
+    return chat_input_tokens(server_state().catalog.resolve(body.model), body)

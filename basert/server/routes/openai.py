@@ -51,6 +51,7 @@ async def generation_route(endpoint: str, schema, handler):
 
 
 @openai.post("/v1/chat/completions")
+@openai.post("/chat/completions")
 async def chat_completions():
     return await generation_route("/v1/chat/completions", ChatCompletionRequest, chat_completion)
 
@@ -66,13 +67,14 @@ def model_object(model: ServedModel) -> dict:
 
 
 @openai.get("/v1/models")
+@openai.get("/models")
 async def list_models():
     return {"object": "list", "data": [model_object(m) for m in server_state().catalog.models]}
 
 
 @openai.get("/v1/models/<path:model_id>")
 async def get_model(model_id: str):
-    return model_object(server_state().catalog.resolve(model_id))
+    return model_object(server_state().catalog.named(model_id))
 
 
 @openai.post("/v1/tokenize")

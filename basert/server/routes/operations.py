@@ -5,6 +5,7 @@ from __future__ import annotations
 from quart import Blueprint, Response
 
 from basert.actor.messages import Stats
+from basert.server.errors import not_supported
 from basert.server.state import server_state
 
 operations = Blueprint("operations", __name__)
@@ -18,6 +19,8 @@ async def health():
 @operations.get("/metrics")
 async def metrics():
     state = server_state()
+    if not state.settings.metrics_endpoint:
+        raise not_supported("the metrics endpoint is off: the server was started with --no-metrics")
     for model in state.catalog.models:
         state.metrics.update_model(await model.ask(Stats))
     return Response(state.metrics.render(), mimetype="text/plain; version=0.0.4")

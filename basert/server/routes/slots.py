@@ -10,9 +10,10 @@ from quart import Blueprint, request
 
 from basert.actor.messages import SlotErase, SlotList, SlotRestore, SlotSave
 from basert.server.catalog import ServedModel
-from basert.server.errors import invalid, not_found, not_supported
+from basert.server.errors import invalid, not_found, not_supported, unavailable
 from basert.server.files import safe_child
 from basert.server.json_input import request_json
+from basert.server.llama_api import default_generation_settings, llama_slot
 from basert.server.logs import printable
 from basert.server.schemas import SlotFileRequest
 from basert.server.state import server_state
@@ -39,7 +40,17 @@ def slot_id(raw: str) -> int:
 
 @slots.get("/slots")
 async def list_slots():
-    return await slot_model().ask(SlotList)
+    """Every slot of the model, with BaseRT's and llama.cpp's fields; with `?fail_on_no_slot`, a 503 when all are
+    busy (as llama.cpp answers)."""
+    state = server_state()
+    if not state.settings.slots_endpoint:
+        raise not_supported("the slots endpoint is off: the server was started with --no-slots")
+    model = slot_model()
+    params = default_generation_settings(model, state.settings.limits)
+    listed = [llama_slot(model, slot, params) for slot in await model.ask(SlotList)]
+    if "fail_on_no_slot" in request.args and all(slot["is_processing"] for slot in listed):
+        raise unavailable("no slot is available", "no_slot_available", retry_after=1)
+    return listed
 
 
 @slots.post("/slots/<raw_id>/save")

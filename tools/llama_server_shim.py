@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""A `llama-server` command line for `basert serve`: translates llama.cpp's server flags and runs BaseRT in its place,
+so that scripts and test suites written for llama.cpp's server start BaseRT unchanged.
+
+    python tools/llama_server_shim.py -m model.gguf -c 4096 -np 2 --port 8080 --alias my-model
+    LLAMA_SERVER_BIN_PATH=tools/llama_server_shim.py pytest ...   # llama.cpp's server tests
+
+Flags without a BaseRT counterpart (server-wide sampling defaults, GPU and batch sizes, downloads) are ignored,
+each with a note on stderr. Without -m/--model it serves $BASERT_SHIM_MODEL, else BaseRT's default model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+# llama.cpp flag -> basert serve flag, for flags whose value passes through unchanged.
+SAME_VALUE = {
+    "--host": "--host", "--port": "--port", "-t": "--threads", "--threads": "--threads",
+    "-a": "--alias", "--alias": "--alias", "--api-key": "--api-key", "--api-key-file": "--api-key-file",
+    "--slot-save-path": "--slot-save-path", "--log-file": "--log-file",
+    "--chat-template-file": "--chat-template",
+}
+# llama.cpp flags that pass through as they are (no value).
+SAME_SWITCH = {"--no-slots": "--no-slots", "--metrics": "--metrics"}
+# llama.cpp switches that take no value and need nothing here (BaseRT's default already behaves so).
+NO_VALUE = {
+    "--slots", "--jinja", "-cb", "--cont-batching", "-nocb", "--no-cont-batching", "-fa", "--flash-attn",
+    "--embedding", "--embeddings", "--reranking", "--rerank", "--no-webui", "--verbose", "-v", "--log-verbose",
+    "--no-context-shift", "--context-shift", "--no-mmap", "--mlock", "--no-warmup", "--props", "--no-perf",
+    "--log-disable", "--log-colors", "--log-prefix", "--log-timestamps", "--no-mmproj", "--no-prefill-assistant",
+    "--ignore-eos", "-sp", "--special", "--check-tensors", "--no-kv-offload", "-nkvo",
+}
+MODEL_FLAGS = {"-m", "--model"}
+CONTEXT_FLAGS = {"-c", "--ctx-size"}
+PARALLEL_FLAGS = {"-np", "--parallel"}
+PREDICT_FLAGS = {"-n", "--predict", "--n-predict"}
+
+
+@dataclass(slots=True)
+class Translation:
+    """What the llama.cpp command line asked for, as BaseRT understands it."""
+
+    model: str | None = None
+    context: int = 0            # llama.cpp's total context (0: the model's default)
+    parallel: int = 1
+    flags: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def serve_arguments(self) -> list[str]:
+        """The `basert serve` arguments: llama.cpp splits its context among the slots, BaseRT sizes it per slot."""
+        arguments = [self.model] if self.model else []
+        if self.context > 0:
+            arguments += ["--max-context", str(max(self.context // self.parallel, 2))]
+        if self.parallel > 1:
+            arguments += ["--slots", str(self.parallel)]
+        return arguments + self.flags
+
+
+def takes_value(arguments: list[str], at: int) -> bool:
+    """Whether the argument after a flag unknown here is its value: anything but another flag (numbers included)."""
+    if at + 1 >= len(arguments):
+        return False
+    following = arguments[at + 1]
+    return not following.startswith("-") or following.lstrip("-").replace(".", "", 1).isdigit()
+
+
+def split_assignments(arguments: list[str]) -> list[str]:
+    """The arguments with each `--flag=value` as two."""
+    split: list[str] = []
+    for argument in arguments:
+        split += argument.split("=", 1) if argument.startswith("--") and "=" in argument else [argument]
+    return split
+
+
+def translate(arguments: list[str]) -> Translation:
+    """Read a llama-server command line."""
+    result = Translation(model=os.environ.get("BASERT_SHIM_MODEL"))
+    arguments = split_assignments(arguments)
+    at = 0
+    while at < len(arguments):
+        flag, value = arguments[at], arguments[at + 1] if at + 1 < len(arguments) else None
+        step = 2
+        if flag in MODEL_FLAGS:
+            result.model = value
+        elif flag in CONTEXT_FLAGS:
+            result.context = int(value)
+        elif flag in PARALLEL_FLAGS:
+            result.parallel = max(int(value), 1)
+        elif flag in PREDICT_FLAGS:
+            if int(value) > 0:
+                result.flags += ["--max-tokens", value]
+        elif flag in SAME_VALUE:
+            result.flags += [SAME_VALUE[flag], value]
+        elif flag in SAME_SWITCH:
+            result.flags.append(SAME_SWITCH[flag])
+            step = 1
+        elif flag in NO_VALUE:
+            step = 1
+        elif takes_value(arguments, at):
+            result.notes.append(f"ignoring {flag} {value}")
+        else:
+            result.notes.append(f"ignoring {flag}")
+            step = 1
+        at += step
+    return result
+
+
+def main(arguments: list[str]) -> None:
+    translation = translate(arguments)
+    for note in translation.notes:
+        print(f"llama_server_shim: {note} (no BaseRT counterpart)", file=sys.stderr)
+    command = [sys.executable, "-m", "basert", "serve", *translation.serve_arguments()]
+    print(f"llama_server_shim: {' '.join(command)}", file=sys.stderr, flush=True)
+    os.execv(sys.executable, command)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
