@@ -136,3 +136,15 @@ def server_pool(tmp_path_factory: pytest.TempPathFactory):
     failed = [f"{server.log_path}: exit status {code}\n{server.log_text()[-3000:]}"
               for server, code in pool.close() if code != 0]
     assert not failed, "\n".join(failed)
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_base: Path, server_pool):
+    """The session's SmolLM2 chat server (SMOLLM2_CHAT_FLAGS), reset for each module that uses it."""
+    return server_pool.get(smollm2_base, *SMOLLM2_CHAT_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(qwen35_chat_base: Path, server_pool):
+    """The session's tiny-hybrid chat server (HYBRID_CHAT_FLAGS: the real Qwen3.5 template), reset for each module."""
+    return server_pool.get(qwen35_chat_base, *HYBRID_CHAT_FLAGS)

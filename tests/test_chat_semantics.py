@@ -6,15 +6,12 @@ and the per-turn limit of calls, and conversations a template refuses."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import HYBRID_CHAT_FLAGS, SMOLLM2_CHAT_FLAGS
 
 from basert.chat.tool_calls import MAX_TOOL_CALLS_PER_TURN
 from basert.testing.launcher import ServerProcess
-from basert.testing.pool import ServerPool
 
 SYSTEM = "You are a terse assistant."
 QUESTION = "Name a colour of the sky."
@@ -28,16 +25,6 @@ def smollm2_prompt(*turns: tuple[str, str], open_assistant: bool = True) -> str:
     """SmolLM2's chat format written out by hand: the reference for what the server renders."""
     text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
     return text + ("<|im_start|>assistant\n" if open_assistant else "")
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_base: Path, server_pool: ServerPool) -> ServerProcess:
-    return server_pool.get(smollm2_base, *SMOLLM2_CHAT_FLAGS)
-
-
-@pytest.fixture(scope="module")
-def hybrid(qwen35_chat_base: Path, server_pool: ServerPool) -> ServerProcess:
-    return server_pool.get(qwen35_chat_base, *HYBRID_CHAT_FLAGS)
 
 
 def chat(server: ServerProcess, messages: list[dict], **fields) -> httpx.Response:
@@ -70,55 +57,55 @@ def error_of(response: httpx.Response, status: int = 400) -> dict:
 
 # --- prefill and the generation prompt -------------------------------------------------------------
 
-def test_a_final_assistant_message_is_continued(smollm2: ServerProcess):
+def test_a_final_assistant_message_is_continued(smollm2_server: ServerProcess):
     prefill = "The sky is"
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
                 {"role": "assistant", "content": prefill}]
-    answer = chat(smollm2, messages).json()
-    expected = complete(smollm2, smollm2_prompt(("system", SYSTEM), ("user", QUESTION)) + prefill)
+    answer = chat(smollm2_server, messages).json()
+    expected = complete(smollm2_server, smollm2_prompt(("system", SYSTEM), ("user", QUESTION)) + prefill)
     assert answer["choices"][0]["message"]["content"] == expected["choices"][0]["text"]
     assert answer["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
     # The same with the field said out loud.
-    explicit = chat(smollm2, messages, continue_final_message=True).json()
+    explicit = chat(smollm2_server, messages, continue_final_message=True).json()
     assert explicit["choices"][0]["message"] == answer["choices"][0]["message"]
 
 
-def test_continue_final_message_false_closes_the_assistant_turn(smollm2: ServerProcess):
+def test_continue_final_message_false_closes_the_assistant_turn(smollm2_server: ServerProcess):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
                 {"role": "assistant", "content": "Blue."}]
-    answer = chat(smollm2, messages, continue_final_message=False).json()
-    expected = complete(smollm2, smollm2_prompt(("system", SYSTEM), ("user", QUESTION), ("assistant", "Blue.")))
+    answer = chat(smollm2_server, messages, continue_final_message=False).json()
+    expected = complete(smollm2_server, smollm2_prompt(("system", SYSTEM), ("user", QUESTION), ("assistant", "Blue.")))
     assert answer["choices"][0]["message"]["content"] == expected["choices"][0]["text"]
     assert answer["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
 
 
-def test_add_generation_prompt_false_leaves_the_turn_unopened(smollm2: ServerProcess):
+def test_add_generation_prompt_false_leaves_the_turn_unopened(smollm2_server: ServerProcess):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
-    answer = chat(smollm2, messages, add_generation_prompt=False).json()
-    expected = complete(smollm2, smollm2_prompt(("system", SYSTEM), ("user", QUESTION), open_assistant=False))
+    answer = chat(smollm2_server, messages, add_generation_prompt=False).json()
+    expected = complete(smollm2_server, smollm2_prompt(("system", SYSTEM), ("user", QUESTION), open_assistant=False))
     assert answer["choices"][0]["message"]["content"] == expected["choices"][0]["text"]
     assert answer["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
 
 
-def test_continuing_a_user_message_is_a_400(smollm2: ServerProcess):
-    error = error_of(chat(smollm2, [{"role": "user", "content": QUESTION}], continue_final_message=True))
+def test_continuing_a_user_message_is_a_400(smollm2_server: ServerProcess):
+    error = error_of(chat(smollm2_server, [{"role": "user", "content": QUESTION}], continue_final_message=True))
     assert error["param"] == "continue_final_message"
 
 
-def test_a_conversation_the_template_refuses_is_a_400(hybrid: ServerProcess):
+def test_a_conversation_the_template_refuses_is_a_400(hybrid_server: ServerProcess):
     # Qwen3.5's template allows a system message only at the start.
     messages = [{"role": "user", "content": QUESTION}, {"role": "system", "content": SYSTEM}]
-    error = error_of(chat(hybrid, messages))
+    error = error_of(chat(hybrid_server, messages))
     assert "System message must be at the beginning" in error["message"]
     assert error["type"] == "invalid_request_error"
 
 
 # --- constrained output ------------------------------------------------------------------------------
 
-def test_gbnf_grammar_constrains_the_answer(smollm2: ServerProcess):
+def test_gbnf_grammar_constrains_the_answer(smollm2_server: ServerProcess):
     grammar = 'root ::= ("yes" | "no") "."'
     messages = [{"role": "user", "content": "Is the sky blue?"}]
-    answer = chat(smollm2, messages, grammar=grammar, max_tokens=8).json()
+    answer = chat(smollm2_server, messages, grammar=grammar, max_tokens=8).json()
     assert answer["choices"][0]["message"]["content"] in ("yes.", "no.")
     assert answer["choices"][0]["finish_reason"] == "stop"
 
@@ -133,8 +120,8 @@ def test_gbnf_grammar_constrains_the_answer(smollm2: ServerProcess):
         "type": "object", "properties": {"colour": {"enum": ["blue", "grey"]}}, "required": ["colour"],
         "additionalProperties": False}}}},
 ], ids=["json_schema", "response_format-schema", "response_format-json_schema"])
-def test_schema_forms_constrain_the_answer(smollm2: ServerProcess, constraint: dict):
-    answer = chat(smollm2, [{"role": "user", "content": QUESTION}], max_tokens=24, **constraint).json()
+def test_schema_forms_constrain_the_answer(smollm2_server: ServerProcess, constraint: dict):
+    answer = chat(smollm2_server, [{"role": "user", "content": QUESTION}], max_tokens=24, **constraint).json()
     assert json.loads(answer["choices"][0]["message"]["content"])["colour"] in ("blue", "grey")
 
 
@@ -145,16 +132,16 @@ def test_schema_forms_constrain_the_answer(smollm2: ServerProcess, constraint: d
     {"response_format": {"type": "json_object", "schema": {"type": 7}}},
     {"grammar": 'root ::= "a"', "json_schema": {"type": "object"}},
 ], ids=["bad-gbnf", "empty-gbnf", "bad-schema", "bad-format-schema", "two-constraints"])
-def test_an_invalid_constraint_is_a_400_never_ignored(smollm2: ServerProcess, fields: dict):
-    error_of(chat(smollm2, [{"role": "user", "content": QUESTION}], **fields))
+def test_an_invalid_constraint_is_a_400_never_ignored(smollm2_server: ServerProcess, fields: dict):
+    error_of(chat(smollm2_server, [{"role": "user", "content": QUESTION}], **fields))
     # Completions take the same fields.
-    response = httpx.post(f"{smollm2.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, **fields},
+    response = httpx.post(f"{smollm2_server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4, **fields},
                           timeout=60)
     error_of(response)
 
 
-def test_completions_follow_a_grammar(smollm2: ServerProcess):
-    response = httpx.post(f"{smollm2.url}/v1/completions", timeout=60,
+def test_completions_follow_a_grammar(smollm2_server: ServerProcess):
+    response = httpx.post(f"{smollm2_server.url}/v1/completions", timeout=60,
                           json={"prompt": "The answer is", "max_tokens": 8, "temperature": 0,
                                 "grammar": 'root ::= " " [0-9] [0-9]'})
     assert response.status_code == 200, response.text
@@ -162,8 +149,8 @@ def test_completions_follow_a_grammar(smollm2: ServerProcess):
     assert len(text) == 3 and text[0] == " " and text[1:].isdigit()
 
 
-def test_n_predict_is_max_tokens(smollm2: ServerProcess):
-    answer = chat(smollm2, [{"role": "user", "content": "Tell me a long story."}], max_tokens=None,
+def test_n_predict_is_max_tokens(smollm2_server: ServerProcess):
+    answer = chat(smollm2_server, [{"role": "user", "content": "Tell me a long story."}], max_tokens=None,
                   n_predict=3, ignore_eos=True).json()
     assert answer["usage"]["completion_tokens"] == 3
     assert answer["choices"][0]["finish_reason"] == "length"
@@ -171,7 +158,7 @@ def test_n_predict_is_max_tokens(smollm2: ServerProcess):
 
 # --- streaming ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["smollm2", "hybrid"])
+@pytest.mark.parametrize("name", ["smollm2_server", "hybrid_server"])
 def test_a_stream_opens_with_the_role_and_never_sends_empty_content(name: str, request: pytest.FixtureRequest):
     server = request.getfixturevalue(name)
     body = {"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 12}
@@ -198,18 +185,18 @@ def calls_of(answer: dict) -> list[tuple[str, str]]:
     return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
 
 
-def test_parallel_tool_calls_false_makes_one_call(smollm2: ServerProcess):
-    response = httpx.post(f"{smollm2.url}/v1/chat/completions", timeout=120,
+def test_parallel_tool_calls_false_makes_one_call(smollm2_server: ServerProcess):
+    response = httpx.post(f"{smollm2_server.url}/v1/chat/completions", timeout=120,
                           json=tool_request(tool_choice="required", parallel_tool_calls=False))
     answer = response.json()
     assert len(calls_of(answer)) == 1
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
 
 
-def test_required_calls_stop_at_the_per_turn_limit(smollm2: ServerProcess):
+def test_required_calls_stop_at_the_per_turn_limit(smollm2_server: ServerProcess):
     """SmolLM2 keeps opening calls while more are allowed: the turn ends at the limit, as a tool_calls finish,
     never by running into max_tokens."""
-    answer = httpx.post(f"{smollm2.url}/v1/chat/completions", json=tool_request(tool_choice="required"),
+    answer = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=tool_request(tool_choice="required"),
                         timeout=300).json()
     calls = calls_of(answer)
     assert 1 <= len(calls) <= MAX_TOOL_CALLS_PER_TURN
@@ -217,15 +204,15 @@ def test_required_calls_stop_at_the_per_turn_limit(smollm2: ServerProcess):
     assert all(name == "get_weather" and "city" in json.loads(arguments) for name, arguments in calls)
 
 
-def test_streamed_tool_calls_come_as_a_head_then_argument_fragments(smollm2: ServerProcess):
+def test_streamed_tool_calls_come_as_a_head_then_argument_fragments(smollm2_server: ServerProcess):
     body = tool_request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    chunks = stream_chunks(smollm2, body)
+    chunks = stream_chunks(smollm2_server, body)
     pieces = [d for c in chunks for ch in c["choices"] for d in ch["delta"].get("tool_calls") or []]
     assert pieces[0]["id"] and pieces[0]["function"]["name"] == "get_weather"
     assert all("id" not in piece for piece in pieces[1:])
     # More than one fragment: the arguments went out as they were generated.
     assert len([piece for piece in pieces if piece["function"]["arguments"]]) > 1
     streamed = "".join(piece["function"]["arguments"] for piece in pieces)
-    answer = httpx.post(f"{smollm2.url}/v1/chat/completions", json=body, timeout=120).json()
+    answer = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=120).json()
     assert [("get_weather", streamed)] == calls_of(answer)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import FIXTURES, HYBRID_CHAT_FLAGS, SMOLLM2_API_FLAGS
+from conftest import FIXTURES, SMOLLM2_API_FLAGS
 
 from basert.engine.info import ModelInfo
 from basert.server.catalog import ModelCatalog, ServedModel
@@ -31,11 +31,6 @@ HELLO = [{"role": "user", "content": "Hello"}]
 @pytest.fixture(scope="module")
 def server(smollm2_base: Path, server_pool: ServerPool) -> ServerProcess:
     return server_pool.get(smollm2_base, *SMOLLM2_API_FLAGS)
-
-
-@pytest.fixture(scope="module")
-def hybrid(qwen35_chat_base: Path, server_pool: ServerPool) -> ServerProcess:
-    return server_pool.get(qwen35_chat_base, *HYBRID_CHAT_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -241,15 +236,15 @@ def test_routes_without_v1_and_any_model_name(server: ServerProcess):
     error_envelope(httpx.get(server.url + "/v1/models/some/other-model"), 404, "model_not_found")
 
 
-def test_hybrid_chat_prompt_and_completion(hybrid: ServerProcess):
+def test_hybrid_chat_prompt_and_completion(hybrid_server: ServerProcess):
     body = {"messages": [{"role": "user", "content": "What is seq-1?"}], "tools": TOOLS}
-    prompt = answer(post(hybrid.url, "/apply-template", body))["prompt"]
+    prompt = answer(post(hybrid_server.url, "/apply-template", body))["prompt"]
     assert "lookup_key" in prompt and prompt.endswith("<|im_start|>assistant\n<think>\n")
-    ids = answer(post(hybrid.url, "/tokenize", {"content": prompt}))["tokens"]
-    assert answer(post(hybrid.url, "/chat/completions/input_tokens", body))["input_tokens"] == len(ids)
+    ids = answer(post(hybrid_server.url, "/tokenize", {"content": prompt}))["tokens"]
+    assert answer(post(hybrid_server.url, "/chat/completions/input_tokens", body))["input_tokens"] == len(ids)
     request = {"prompt": ids, "n_predict": 6, "temperature": 0, "return_tokens": True, "ignore_eos": True}
-    whole = answer(post(hybrid.url, "/completion", request))
-    _, events = stream(hybrid.url, "/completion", request)
+    whole = answer(post(hybrid_server.url, "/completion", request))
+    _, events = stream(hybrid_server.url, "/completion", request)
     assert [chunk["tokens"][0] for chunk in events[:-1]] == whole["tokens"]
     assert "".join(chunk["content"] for chunk in events) == whole["content"]
     # The hybrid resumes from the state it kept just before the repeated prompt's last token.

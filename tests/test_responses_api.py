@@ -4,12 +4,10 @@ checked against /v1/chat/completions with the equivalent messages (the same chat
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import HYBRID_CHAT_FLAGS, SMOLLM2_CHAT_FLAGS
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
 
@@ -17,7 +15,6 @@ from basert.server.errors import ApiError
 from basert.server.response_store import ResponseStore
 from basert.testing.client import error_envelope, post
 from basert.testing.launcher import ServerProcess
-from basert.testing.pool import ServerPool
 
 QUESTION = "What is the weather and the time in Paris?"
 TOOLS = [
@@ -36,16 +33,6 @@ TURNS = [({"type": "function", "name": "weather"}, "sunny"), ({"type": "function
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 # A forced call is about 25 SmolLM2 tokens (`<tool_call>` and `</tool_call>` are plain text to it).
 CALL_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def smollm2_server(smollm2_base: Path, server_pool: ServerPool) -> ServerProcess:
-    return server_pool.get(smollm2_base, *SMOLLM2_CHAT_FLAGS)
-
-
-@pytest.fixture(scope="module")
-def hybrid_server(qwen35_chat_base: Path, server_pool: ServerPool) -> ServerProcess:
-    return server_pool.get(qwen35_chat_base, *HYBRID_CHAT_FLAGS)
 
 
 def client_of(server: ServerProcess) -> openai.OpenAI:

@@ -110,20 +110,20 @@ CASES = {
         "\n\nCompare a < b, <tool_cal is not a tag, nor is <tool_call without its bracket <\n\n",
         [],
     ),
-    # A call cut off after its head keeps the arguments that were complete: they were streamed already.
+    # A call cut off is content, even after its head and first argument went out as a call.
     "truncated_json": Case(
         QWEN_JSON,
         'Looking it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"days": 2, "city": "Par',
-        "Looking it up.",
-        [("get_weather", '{"days":2}')],
+        'Looking it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"days": 2, "city": "Par',
+        [],
         truncated=True,
     ),
     "truncated_xml_after_call": Case(
         QWEN_XML,
         "<tool_call>\n<function=lookup>\n<parameter=id>\n1\n</parameter>\n</function>\n</tool_call>\n"
         "<tool_call>\n<function=lookup>\n<parameter=id>\n2\n</parameter>\n</function>\n</tool_",
-        "",
-        [("lookup", '{"id":"1"}'), ("lookup", '{"id":"2"}')],
+        "<tool_call>\n<function=lookup>\n<parameter=id>\n2\n</parameter>\n</function>\n</tool_",
+        [("lookup", '{"id":"1"}')],
         truncated=True,
     ),
     # Without a complete head (name and the opening of the arguments) an unterminated call is content.
@@ -167,11 +167,20 @@ def run(case: Case, pieces: list[str]) -> Outcome:
     )
 
 
-def arguments_by_call(deltas: list[ToolCallDelta]) -> list[str]:
+def arguments_by_call(outcome: Outcome) -> list[str]:
+    """The streamed arguments of each call the parser returned; every other call that went out in the stream
+    (cut off, or malformed after its head) has arguments that are not complete JSON."""
     joined: dict[int, str] = {}
-    for delta in deltas:
+    index_of: dict[str, int] = {}
+    for delta in outcome.deltas:
         joined[delta.index] = joined.get(delta.index, "") + delta.arguments
-    return [joined[index] for index in sorted(joined)]
+        if delta.id is not None:
+            index_of[delta.id] = delta.index
+    returned = [index_of[call.id] for call in outcome.parser_calls]
+    for index in set(joined) - set(returned):
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(joined[index])
+    return [joined[index] for index in returned]
 
 
 def every_split(text: str) -> list[list[str]]:
@@ -184,7 +193,7 @@ def test_whole_text(name: str) -> None:
     outcome = run(case, [case.text])
     assert outcome.content == case.content
     assert outcome.calls == case.calls
-    assert arguments_by_call(outcome.deltas) == [
+    assert arguments_by_call(outcome) == [
         arguments for _, arguments in case.calls
     ]
 
@@ -195,7 +204,7 @@ def test_every_split_gives_the_same_result(name: str) -> None:
     for pieces in every_split(case.text):
         outcome = run(case, pieces)
         assert (outcome.content, outcome.calls) == (case.content, case.calls), pieces
-        assert arguments_by_call(outcome.deltas) == [
+        assert arguments_by_call(outcome) == [
             arguments for _, arguments in case.calls
         ], pieces
 
@@ -303,45 +312,37 @@ def parse(
 
 
 @pytest.mark.parametrize("truncated", [True, False])
-def test_unterminated_call_with_its_head_is_a_call(truncated: bool) -> None:
+def test_unterminated_call_is_content(truncated: bool) -> None:
     text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-    assert parse(QWEN_JSON, text, truncated=truncated) == ("Sure.", [("get_weather", '{"city":"Oslo"}')])
+    assert parse(QWEN_JSON, text, truncated=truncated) == (text, [])
 
 
 @pytest.mark.parametrize(
     ("dialect", "body"),
     [
+        (QWEN_JSON, '{"name": "get_weather", "arguments": {"city": }}'),
         (QWEN_JSON, '{"arguments": {"city": "Oslo"}}'),
         (QWEN_JSON, '{"name": "get_weather", "arguments": ["Oslo"]}'),
         (QWEN_JSON, '{"name": "get_weather", "arguments": "not json"}'),
+        (QWEN_JSON, '{"name": "get_weather", "arguments": {"city": "Oslo", "days": NaN}}'),
         (QWEN_JSON, '{"name": "", "arguments": {}}'),
         (QWEN_JSON, '["get_weather"]'),
         (QWEN_JSON, "[" * 100_000),
         (QWEN_XML, "<parameter=city>\nOslo\n</parameter>"),
+        (QWEN_XML, "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\nstray text\n</function>"),
+        (QWEN_XML, "<function=get_weather>\n<parameter=city>\nOslo\n</function>"),
         (QWEN_XML, "<function=>\n</function>"),
     ],
 )
-def test_a_body_without_a_call_head_is_content(dialect: str, body: str) -> None:
+def test_malformed_call_is_content(dialect: str, body: str) -> None:
+    """Whatever went out in the stream before the body turned out malformed, it is content, and the streamed
+    call never gets the fragment that would complete its arguments."""
     text = f"Before.\n{OPEN_TAG}\n{body}\n{CLOSE_TAG}\nAfter."
-    assert parse(dialect, text) == (text, [])
-
-
-@pytest.mark.parametrize(
-    ("dialect", "body", "arguments"),
-    [
-        (QWEN_JSON, '{"name": "get_weather", "arguments": {"city": }}', "{}"),
-        (QWEN_JSON, '{"name": "get_weather", "arguments": {"city": "Oslo", "days": NaN}}', '{"city":"Oslo"}'),
-        (QWEN_XML, "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\nstray text\n</function>",
-         '{"city":"Oslo"}'),
-        (QWEN_XML, "<function=get_weather>\n<parameter=city>\nOslo\n</function>", "{}"),
-    ],
-)
-def test_a_malformed_body_after_its_head_keeps_the_complete_arguments(dialect: str, body: str,
-                                                                     arguments: str) -> None:
-    """Once the head is out the call cannot be taken back: its arguments are those that were complete (valid
-    JSON), whatever follows."""
-    text = f"Before.\n{OPEN_TAG}\n{body}\n{CLOSE_TAG}\nAfter."
-    assert parse(dialect, text) == ("Before.\nAfter.", [("get_weather", arguments)])
+    case = Case(dialect, text, text, [])
+    for pieces in ([text], list(text)):
+        outcome = run(case, pieces)
+        assert (outcome.content, outcome.calls) == (text, [])
+        assert arguments_by_call(outcome) == []
 
 
 def test_malformed_call_does_not_take_an_index() -> None:

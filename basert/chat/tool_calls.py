@@ -120,11 +120,12 @@ class ToolCallParser(ABC):
 
     A call streams as it is generated: once its head (the function name and the opening of its arguments) is
     complete, a delta with the call's id and name goes out, then one fragment per complete argument (`{"a":1`,
-    `,"b":"x"`), then the closing `}` when the call closes. Every fragment is compact JSON, so the arguments
-    streamed are always a prefix of the final string, which is valid JSON. A call whose head was recognised stays
-    a call even if the rest of its body turns out malformed or generation stops inside it: its arguments are the
-    members that were complete. A body without a recognisable head is content. The outcome depends only on the
-    text, never on how it was split into pieces. Whitespace that only separates content from calls is dropped.
+    `,"b":"x"`), then the closing `}` when the call closes and its whole body parses. Every fragment is compact
+    JSON, so the fragments of a call always join into its final arguments. A body that turns out malformed, or
+    that generation cuts off, is not a call: its text is content, and in the stream its call never receives the
+    closing fragment (its arguments stay incomplete JSON, so no client can take it for a complete call). The
+    outcome depends only on the text, never on how it was split. Whitespace that only separates content from
+    calls is dropped.
     """
 
     __slots__ = (
@@ -135,6 +136,7 @@ class ToolCallParser(ABC):
         "_held_ws",
         "_id_prefix",
         "_in_call",
+        "_next_index",
         "tool_calls",
     )
 
@@ -151,6 +153,8 @@ class ToolCallParser(ABC):
         self._after_call = False
         self._content: list[str] = []
         self.tool_calls: list[ToolCall] = []
+        # The stream index of the next call: a call that went out and then failed keeps its index.
+        self._next_index = 0
 
     @property
     def content(self) -> str:
@@ -166,13 +170,13 @@ class ToolCallParser(ABC):
         return events
 
     def finish(self, truncated: bool) -> ParserEvents:
-        """End of generation: an unterminated call is closed when its head was recognised, else it is content."""
+        """End of generation: an unterminated call is content, truncated by max_tokens or not."""
         events = ParserEvents()
         if self._in_call:
             self._in_call = False
-            body, self._buffer = self._buffer, ""
-            if not self._close_streamed_call(body, None, events):
-                self._text(OPEN_TAG + body, events)
+            self._stream(self._buffer, events)
+            self._call = None
+            self._buffer = OPEN_TAG + self._buffer
         self._text(self._buffer, events)
         self._buffer = ""
         if not self._after_call:
@@ -203,8 +207,12 @@ class ToolCallParser(ABC):
             self._buffer = self._buffer[end + len(CLOSE_TAG) :]
             self._in_call = False
             parsed = self._parse_body(body)
-            if not self._close_streamed_call(body, parsed, events):
+            self._stream(body, events)
+            call, self._call = self._call, None
+            if call is None:
                 self._close_call(body, parsed, events)
+            elif not self._close_streamed_call(call, parsed, events):
+                self._text(OPEN_TAG + body + CLOSE_TAG, events)
             return True
         start = self._buffer.find(OPEN_TAG)
         if start < 0:
@@ -225,38 +233,40 @@ class ToolCallParser(ABC):
             if head is None:
                 return
             name, position = head
-            call = self._call = _StreamingCall(f"{self._id_prefix}{uuid4().hex[:24]}", name, position)
-            events.tool_deltas.append(ToolCallDelta(len(self.tool_calls), call.id, name, ""))
+            call = self._call = _StreamingCall(f"{self._id_prefix}{uuid4().hex[:24]}", name, position,
+                                               self._next_index)
+            self._next_index += 1
+            events.tool_deltas.append(ToolCallDelta(call.index, call.id, name, ""))
         while (member := self._member(body, call.position)) is not None:
             key, value, call.position = member
             fragment = ("," if call.arguments else "{") + _dump_member(key, value)
             call.arguments += fragment
-            events.tool_deltas.append(ToolCallDelta(len(self.tool_calls), None, None, fragment))
+            events.tool_deltas.append(ToolCallDelta(call.index, None, None, fragment))
 
-    def _close_streamed_call(self, body: str, parsed: tuple[str, dict[str, Any]] | None,
+    def _close_streamed_call(self, call: _StreamingCall, parsed: tuple[str, dict[str, Any]] | None,
                              events: ParserEvents) -> bool:
-        """Close the call of `body` when its head is recognisable; False when the body is not a call."""
-        self._stream(body, events)
-        call, self._call = self._call, None
-        if call is None:
+        """Send the rest of a streamed call whose body is complete; False when the body does not parse as that
+        call (then it is content, and the streamed call stays unterminated)."""
+        if parsed is None or parsed[0] != call.name:
             return False
-        complete = _dump(parsed[1]) if parsed is not None and parsed[0] == call.name else ""
-        rest = complete[len(call.arguments):] if complete.startswith(call.arguments) else ""
-        if not rest:
-            rest = "}" if call.arguments else "{}"
-        events.tool_deltas.append(ToolCallDelta(len(self.tool_calls), None, None, rest))
+        complete = _dump(parsed[1])
+        # Arguments written twice parse to the last value: the fragments sent stand, closed as they are.
+        rest = complete[len(call.arguments):] if complete.startswith(call.arguments) else "}"
+        events.tool_deltas.append(ToolCallDelta(call.index, None, None, rest))
         self.tool_calls.append(ToolCall(call.id, call.name, call.arguments + rest))
         self._after_call = True
         return True
 
     def _close_call(self, body: str, parsed: tuple[str, dict[str, Any]] | None, events: ParserEvents) -> None:
-        # A well-formed call whose head the streaming scanner does not recognise (arguments as a JSON string).
+        # A body without a head the scanner recognises: a call only when it parses (arguments as a JSON string,
+        # or "arguments" before "name").
         if parsed is None:
             self._text(OPEN_TAG + body + CLOSE_TAG, events)
             return
         name, arguments = parsed
         call = ToolCall(f"{self._id_prefix}{uuid4().hex[:24]}", name, _dump(arguments))
-        events.tool_deltas.append(ToolCallDelta(len(self.tool_calls), call.id, call.name, call.arguments))
+        events.tool_deltas.append(ToolCallDelta(self._next_index, call.id, call.name, call.arguments))
+        self._next_index += 1
         self.tool_calls.append(call)
         self._after_call = True
 
@@ -289,6 +299,7 @@ class _StreamingCall:
     id: str
     name: str
     position: int
+    index: int
     arguments: str = ""
 
 
