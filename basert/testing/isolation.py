@@ -75,8 +75,18 @@ def start_server(model: str, flags: list[str], log_dir: Path, name: str) -> Serv
     return ServerProcess(model, *flags, log_path=log_dir / f"{name}.log")
 
 
+def group_keys(group: int, size: int, n: int) -> list[str]:
+    """The keys of concurrent group `group`: `size` distinct keys of the sequential requests (`seq-0` … `seq-{n-1}`)
+    in an order of the group's own, and new keys where the group is larger than `n`. A key asked again, alone
+    and among others, has one fresh-server answer for both."""
+    span = max(n, size)
+    stride = next(step for step in (3, 5, 7, 1) if span % step)   # coprime with span: the keys are distinct
+    return [f"seq-{(group + 1 + stride * j) % span}" for j in range(size)]
+
+
 async def shared_answers(url: str, n: int, concurrency: list[int], plain: bool) -> list[Outcome]:
-    """`n` sequential requests to one server, then a group of concurrent requests for each size in `concurrency`."""
+    """`n` sequential requests to one server, then a group of concurrent requests for each size in `concurrency`
+    (keys from `group_keys`)."""
     outcomes: list[Outcome] = []
     async with httpx.AsyncClient() as client:
 
@@ -87,7 +97,7 @@ async def shared_answers(url: str, n: int, concurrency: list[int], plain: bool) 
             key = f"seq-{i}"
             outcomes.append(Outcome(f"sequential {i + 1}/{n}", key, await ask(client, url, key, plain)))
         for group, size in enumerate(concurrency):
-            keys = [f"seq-{100 * (group + 1) + j}" for j in range(size)]
+            keys = group_keys(group, size, n)
             answers: dict[str, str] = {}
             async with trio.open_nursery() as nursery:
                 for key in keys:
@@ -98,24 +108,28 @@ async def shared_answers(url: str, n: int, concurrency: list[int], plain: bool) 
 
 async def answer_on_fresh_servers(model: str, flags: list[str], outcomes: list[Outcome], plain: bool,
                                   log_dir: Path, together: int = 1) -> None:
-    """Each outcome's reference answer: its request alone on a server started for it.
+    """Each outcome's reference answer: its request alone on a server started for it (one per distinct key: the
+    same request has the same answer on a fresh server).
 
     Servers start and stop `together` at a time (starting and exiting keep about one core busy each); their
     requests run one after another, so no two generations compete for the cores.
     """
-    numbered = list(enumerate(outcomes))
-    for first in range(0, len(numbered), together):
-        batch = numbered[first:first + together]
-        starts = [partial(start_server, model, flags, log_dir, f"fresh-{index}") for index, _ in batch]
+    keys = list(dict.fromkeys(outcome.key for outcome in outcomes))
+    fresh: dict[str, str] = {}
+    for first in range(0, len(keys), together):
+        batch = keys[first:first + together]
+        starts = [partial(start_server, model, flags, log_dir, f"fresh-{key}") for key in batch]
         servers = await trio.to_thread.run_sync(partial(start_servers, *starts))
         try:
-            for server, (_, outcome) in zip(servers, batch):
+            for server, key in zip(servers, batch):
                 # A client per server, closed before the server stops: an idle keep-alive connection would
                 # hold up its shutdown.
                 async with httpx.AsyncClient() as client:
-                    outcome.fresh = await ask(client, server.url, outcome.key, plain)
+                    fresh[key] = await ask(client, server.url, key, plain)
         finally:
             await trio.to_thread.run_sync(partial(stop_servers, *servers))
+    for outcome in outcomes:
+        outcome.fresh = fresh[outcome.key]
 
 
 async def answer_on_erased_server(url: str, outcomes: list[Outcome], plain: bool) -> None:
