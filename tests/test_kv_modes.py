@@ -31,6 +31,7 @@ def system_prompt(n_rules: int) -> str:
 
 
 SHARED_SYSTEM = system_prompt(40)    # about 950 tokens
+SHORT_SYSTEM = system_prompt(3)      # about 75 tokens: where only the mechanics matter, not the prefix's size
 QUESTIONS = ["What is two plus two?", "Name a primary color.", "Which planet is the largest?",
              "What is the capital of France?", "How many legs has a spider?", "What is water made of?",
              "Which animal barks?", "What comes after Monday?"]
@@ -93,7 +94,7 @@ def test_slot_save_and_restore_work_in_every_kv_mode(mode: str, served, tmp_path
     mode_flags = [flag.replace("{tmp}", str(tmp_path)) for flag in FLAG_SETS[mode]]
     with ServerProcess(path, *flags, *mode_flags, "--max-context", "1024", "--files-dir", str(tmp_path / "files"),
                        log_path=tmp_path / "server.log", env=env) as server:
-        first = chat(server, QUESTIONS[0], slot=0)
+        first = chat(server, QUESTIONS[0], slot=0, system=SHORT_SYSTEM)
         saved = httpx.post(f"{server.url}/slots/0/save", json={}, timeout=60)
         assert saved.status_code == 200, saved.text
         saved = saved.json()
@@ -106,8 +107,8 @@ def test_slot_save_and_restore_work_in_every_kv_mode(mode: str, served, tmp_path
         assert slots[1]["cache_tokens"] == saved["n_saved"]
         # The next turn of the conversation, on the restored slot and on the original one.
         history = [{"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": text_of(first)}]
-        on_restored = chat(server, QUESTIONS[1], slot=1, history=history)
-        on_original = chat(server, QUESTIONS[1], slot=0, history=history)
+        on_restored = chat(server, QUESTIONS[1], slot=1, history=history, system=SHORT_SYSTEM)
+        on_original = chat(server, QUESTIONS[1], slot=0, history=history, system=SHORT_SYSTEM)
         assert text_of(on_restored) == text_of(on_original)
         assert cached_of(on_restored) > 0             # the restored prefix is served from the restored blocks
         assert httpx.get(f"{server.url}/health").status_code == 200
@@ -154,7 +155,7 @@ def test_corrupt_or_foreign_cache_files_mean_a_cold_start(served, tmp_path: Path
     with ExitStack() as stack:
         for server in [stack.enter_context(server) for server in start_servers(*starts)]:
             assert "WARNING" in server.log_text() and "starting cold" in server.log_text()
-            assert cached_of(chat(server, QUESTIONS[0])) == 0
+            assert cached_of(chat(server, QUESTIONS[0], system=SHORT_SYSTEM)) == 0
 
 
 def shared_prefix_tokens(server: ServerProcess, system: str = SHARED_SYSTEM) -> int:
@@ -189,10 +190,10 @@ def test_slot_admin_runs_between_steps_while_other_slots_generate(served, tmp_pa
     path, _, flags, env = served
     with ServerProcess(path, *flags, "--max-context", "1024", "--continuous-batching", "2", "--prefix-cache",
                        "--files-dir", str(tmp_path / "files"), log_path=tmp_path / "server.log", env=env) as server:
-        alone = text_of(chat(server, QUESTIONS[3], slot=1, max_tokens=400, ignore_eos=True))
+        alone = text_of(chat(server, QUESTIONS[3], slot=1, max_tokens=160, ignore_eos=True))
         chat(server, QUESTIONS[0], slot=0)
         body = {"messages": [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": QUESTIONS[3]}],
-                "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True, "id_slot": 1,
+                "max_tokens": 160, "ignore_eos": True, "temperature": 0, "stream": True, "id_slot": 1,
                 "chat_template_kwargs": {"enable_thinking": False}}
         pieces = []
         admin = []
