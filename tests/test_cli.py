@@ -48,6 +48,8 @@ def test_convert_then_inspect(tmp_path: Path) -> None:
     summary = json.loads(basert("inspect", str(out), "--json").stdout)
     assert summary["arch"] == "qwen35"
     assert summary["totals"]["tensors"] == len(summary["tensors"]) == 109
+    # Checksums are JSON integers (u64), as in BaseRT's own files.
+    assert all(type(t["checksum_xxh64"]) is int and 0 <= t["checksum_xxh64"] < 2**64 for t in summary["tensors"])
 
 
 def test_errors_are_messages_not_tracebacks(tmp_path: Path) -> None:

@@ -304,7 +304,7 @@ def test_written_header_layout(tmp_path: Path) -> None:
     assert q4_asym == {
         "name": "q4_asym", "dtype": "base_q4", "shape": [3, 64], "offset": q4_asym["offset"], "length": 204,
         "group_size": 32, "scale_dtype": "f16", "scale_offset": 128, "scale_length": 12,
-        "bias_offset": 192, "bias_length": 12, "compute_region": "cpu", "flags": "0x0",
+        "bias_offset": 192, "bias_length": 12, "compute_region": "cpu",
         "checksum_xxh64": q4_asym["checksum_xxh64"],
     }  # fmt: skip
     assert data[blob_offset + q4_asym["offset"] + 96 : blob_offset + q4_asym["offset"] + 128] == bytes(32)
@@ -318,9 +318,11 @@ def test_written_header_layout(tmp_path: Path) -> None:
         assert "symmetric" not in entry
         assert entry["offset"] % 64 == 0
         start = blob_offset + entry["offset"]
+        # A JSON integer (u64), as BaseRT's own tensor entries have it; flags appear only when set.
         checksum = entry["checksum_xxh64"]
-        assert len(checksum) == 16 and checksum == checksum.lower()
-        assert checksum == xxhash.xxh64(data[start : start + entry["length"]]).hexdigest()
+        assert type(checksum) is int and 0 <= checksum < 2**64
+        assert checksum == xxhash.xxh64(data[start : start + entry["length"]]).intdigest()
+        assert entry.get("flags") != "0x0"
     last = header["tensors"][-1]
     assert len(data) == blob_offset + last["offset"] + last["length"]
 
@@ -399,11 +401,12 @@ def test_verify_checksums_reports_progress(tmp_path: Path) -> None:
     assert [done for done, _ in calls] == sorted(done for done, _ in calls)
 
 
-@pytest.mark.parametrize("form", [str.upper, lambda h: "0x" + h, lambda h: int(h, 16)])
-def test_checksum_accepts_hex_forms_and_ints(tmp_path: Path, form: Callable[[str], Any]) -> None:
+@pytest.mark.parametrize("form", [lambda c: f"{c:016x}", lambda c: f"{c:016X}", lambda c: f"0x{c:016x}", int])
+def test_checksum_accepts_hex_forms_and_ints(tmp_path: Path, form: Callable[[int], Any]) -> None:
+    """Files of earlier versions wrote hex strings; integers are what is written now. Both load and verify."""
     path = tmp_path / "model.base"
     _write_sample(path)
-    written = {entry["name"]: int(entry["checksum_xxh64"], 16) for entry in _read_header(path)[0]["tensors"]}
+    written = {entry["name"]: entry["checksum_xxh64"] for entry in _read_header(path)[0]["tensors"]}
 
     def edit(header: dict[str, Any]) -> None:
         for entry in header["tensors"]:
@@ -586,7 +589,7 @@ def test_checksum_mismatch(sample: Path) -> None:
     _patch_bytes(sample, flipped, bytes([original ^ 0x01]))
     with BaseFile(sample) as bf:
         assert bf.packed("q4_sym")[17] == original ^ 0x01
-        with pytest.raises(ChecksumMismatchError, match=f"header records {entry['checksum_xxh64']}"):
+        with pytest.raises(ChecksumMismatchError, match=f"header records {entry['checksum_xxh64']:016x}"):
             bf.verify_checksums()
     with pytest.raises(ChecksumMismatchError, match="tensor 'q4_sym' hashes to"):
         BaseFile(sample, verify_checksums=True)

@@ -53,7 +53,8 @@ def inspect_file(path: Path, *, verify: bool, as_json: bool) -> int:
                 "source": base.header.get("source"),
                 "config": base.config,
                 "tensors": [
-                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.length}
+                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.length,
+                     "checksum_xxh64": t.checksum}
                     for t in tensors
                 ],
                 "totals": {"tensors": len(tensors), "parameters": n_params,

@@ -224,7 +224,11 @@ class BaseWriter:
         return header_shape, self._pad_spool(REGION_ALIGN[compute_region])
 
     def _finish(self, entry: dict[str, Any], hasher: xxhash.xxh64, flags: int, compute_region: str) -> None:
-        entry.update(compute_region=compute_region, flags=hex(flags), checksum_xxh64=hasher.hexdigest())
+        # As BaseRT's tensor entries declare them: the checksum a JSON integer (u64), flags only when set.
+        entry["compute_region"] = compute_region
+        if flags:
+            entry["flags"] = hex(flags)
+        entry["checksum_xxh64"] = hasher.intdigest()
         self._tensors.append(entry)
 
     def _write(self, array: np.ndarray, hasher: xxhash.xxh64) -> None:
