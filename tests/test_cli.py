@@ -112,7 +112,10 @@ def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [("--max-context", "1", "max_context must be at least 2"),
-                                                         ("--threads", "0", "threads must be at least 1")])
+                                                         ("-c", "1", "max_context must be at least 2"),
+                                                         ("--ctx-size", "1", "max_context must be at least 2"),
+                                                         ("--threads", "0", "threads must be at least 1"),
+                                                         ("-t", "0", "threads must be at least 1")])
 def test_serve_refuses_engine_options_that_cannot_work_in_one_line(flag: str, value: str, message: str) -> None:
     result = basert("serve", flag, value, "--port", "1")
     assert result.returncode == 2

@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require Authorization: Bearer KEY or X-Api-Key: KEY (repeatable)")
     p.add_argument("--api-key-file", type=Path,
                    help="file with one API key per line (blank lines ignored; a file without a key is an error)")
-    p.add_argument("--max-context", type=int, default=4096, help="context window per slot (default 4096)")
+    p.add_argument("--max-context", "--ctx-size", "-c", type=int, default=4096,
+                   help="context window per slot (default 4096; -c/--ctx-size as in llama.cpp)")
     p.add_argument("--max-tokens", type=int, default=2048, help="default max_tokens (default 2048)")
     p.add_argument("--threads", "-t", type=int, help="engine threads (default: all cores)")
     p.add_argument("--kv-bits", type=int, choices=(16, 32), default=16, help="KV element width (default 16)")
