@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,16 @@ def test_serve_refuses_engine_options_that_cannot_work_in_one_line(flag: str, va
     result = basert("serve", flag, value, "--port", "1")
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_refuses_a_port_in_use_in_one_line_before_loading(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # The model does not exist: an answer about the port shows the port was checked before any loading.
+        result = basert("serve", str(tmp_path / "missing.base"), "--port", str(port))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
