@@ -16,7 +16,7 @@ from basert.testing.isolation import answer_on_erased_server, answer_on_fresh_se
 from basert.testing.pool import ServerPool
 
 # Fresh servers started and stopped together (each start keeps about one of the 2 cores busy).
-FRESH_TOGETHER = 3
+FRESH_TOGETHER = 2
 
 
 @pytest.fixture(scope="module")
