@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from quart import Blueprint, request
 
-from basert.server.access_log import RequestRecord
 from basert.server.errors import not_supported
 from basert.server.json_input import request_json
 from basert.server.llama_api import chat_input_tokens, native_completion, props, rendered_chat
-from basert.server.routes.openai import finish
+from basert.server.routes.openai import generation_route
 from basert.server.schemas import ChatCompletionRequest, LlamaCompletionRequest
 from basert.server.state import server_state
 
@@ -20,16 +19,7 @@ llama = Blueprint("llama", __name__)
 @llama.post("/completions")
 async def completion():
     """A result object, a list of them (several prompts), or llama.cpp's SSE stream."""
-    state = server_state()
-    record = RequestRecord()
-    request.basert_record = record  # type: ignore[attr-defined]
-    body = LlamaCompletionRequest.model_validate(await request_json())
-    model = state.catalog.resolve(body.model)
-    record.model = model.info.id
-    result = await native_completion(model, body, state.settings.limits, record)
-    if isinstance(result, list):
-        return result
-    return finish("/completion", result, record)
+    return await generation_route("/completion", LlamaCompletionRequest, native_completion)
 
 
 @llama.get("/props")

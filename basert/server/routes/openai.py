@@ -17,9 +17,10 @@ from basert.server.state import server_state
 openai = Blueprint("openai", __name__)
 
 
-def finish(endpoint: str, result: dict | AsyncIterator[bytes], record: RequestRecord) -> Response | dict:
-    """The response for a generation: its JSON object, or an SSE stream that writes its access-log line at its end."""
-    if isinstance(result, dict):
+def finish(endpoint: str, result: dict | list | AsyncIterator[bytes], record: RequestRecord) -> Response | dict | list:
+    """The response for a generation: its JSON value (an object, or a list of them), or an SSE stream that writes
+    its access-log line at its end."""
+    if isinstance(result, (dict, list)):
         return result
     metrics = server_state().metrics
     started = request.basert_started  # type: ignore[attr-defined]
