@@ -12,6 +12,7 @@ DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_VARIANT = "default-q4"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FILE_NAME = "model.base"
+LOCAL_ORG = "local"  # GGUF files and HF directories converted on first use: <models dir>/local/<stem>/default
 
 
 class DefaultModelMissingError(RuntimeError):
@@ -78,7 +79,8 @@ class ModelNotFoundError(LookupError):
 
 
 def resolve_model(spec: str | None, root: Path | None = None) -> Path:
-    """A .base path for a spec: a file path, `org/name[:variant]` in the models dir, or the default alias.
+    """A .base path for a spec: a file path, `org/name[:variant]` (or a `name` only one org has) in the models
+    dir, or the default alias.
 
     The default model (no spec, or "smollm2") is not converted here; see `ensure_default_model`.
     """
@@ -88,7 +90,14 @@ def resolve_model(spec: str | None, root: Path | None = None) -> Path:
     if path.is_file():
         return path
     model_id, _, variant = spec.partition(":")
-    candidates = [m for m in installed_models(root) if m.model_id == model_id and (not variant or m.variant == variant)]
+    installed = [m for m in installed_models(root) if not variant or m.variant == variant]
+    candidates = [m for m in installed if m.model_id == model_id]
+    if not candidates:  # a bare name (a served GGUF's id is its stem) when only one org has it
+        by_name = [m for m in installed if m.model_id.split("/")[-1] == model_id]
+        ids = sorted({m.model_id for m in by_name})
+        if len(ids) > 1:
+            raise ModelNotFoundError(f"model {spec!r} is ambiguous: name one of {', '.join(ids)}")
+        candidates = by_name
     if candidates:
         return candidates[0].path
     raise ModelNotFoundError(

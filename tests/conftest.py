@@ -106,7 +106,7 @@ def smollm2_base(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -
     """SmolLM2-135M-Instruct converted losslessly from its Q4_1 GGUF."""
     from basert.convert import convert
 
-    out = tmp_path_factory.mktemp("smollm2") / "model.base"
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2.base"  # served as model id "smollm2"
     convert(smollm2_gguf, out)
     return out
 

@@ -8,17 +8,14 @@ from pathlib import Path
 
 
 def model_path_for(spec: str | None) -> Path:
-    """Resolve a model spec; the default model is converted on first use, with a progress bar."""
+    """Resolve a model spec (see `locate_model`); a conversion on first use shows a progress bar."""
     from basert.cli.progress import ProgressBar
-    from basert.convert.default_model import PULLABLE, ensure_default_model
-    from basert.models_dir import resolve_model
+    from basert.convert.default_model import locate_model
 
-    if spec is None or spec in PULLABLE:
-        path, converted = ensure_default_model(progress=ProgressBar("converting the default model"))
-        if converted:
-            print(f"installed the default model at {path}", file=sys.stderr)
-        return path
-    return resolve_model(spec)
+    path, converted = locate_model(spec, progress=ProgressBar(f"converting {spec or 'the default model'}"))
+    if converted:
+        print(f"installed {spec or 'the default model'} at {path}", file=sys.stderr)
+    return path
 
 
 def cmd_complete(args: argparse.Namespace) -> int:

@@ -151,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def subcommand_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser of each command, by name."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `basert` console script."""
     from basert.convert.source import ConvertError
@@ -159,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     from basert.tokenizer import TokenizerError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported with the usage of the command they were given to, not the top level's
+        command_parser = subcommand_parsers(parser).get(getattr(args, "command", None), parser)
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -87,23 +87,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "against a damaged file)")
 
 
-def resolve_served_path(spec: str | None) -> Path:
-    """A .base path for a model spec, converting GGUF files and HF directories on first use."""
-    from basert.cli.generate import model_path_for
-    from basert.cli.progress import ProgressBar
-    from basert.convert import convert
-    from basert.models_dir import model_path
-
-    if spec is not None:
-        candidate = Path(spec).expanduser()
-        if candidate.suffix.lower() == ".gguf" or (candidate.is_dir() and (candidate / "config.json").is_file()):
-            out = model_path(f"local/{candidate.stem if candidate.is_file() else candidate.name}", "default")
-            if not out.is_file():
-                convert(candidate, out, progress=ProgressBar(f"converting {candidate.name}"))
-            return out
-    return model_path_for(spec)
-
-
 def check_arguments(args: argparse.Namespace) -> str | None:
     """The first problem with the KV flags, as a message for the user."""
     if args.continuous_batching < 0:
@@ -244,6 +227,7 @@ def serve(args: argparse.Namespace) -> int:
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
+    from basert.cli.generate import model_path_for
     from basert.format.atomic import remove_stale_temp_files
     from basert.format.errors import ModelValidationError
     from basert.server.app import ServerSettings, create_app, is_loopback
@@ -263,7 +247,7 @@ def serve(args: argparse.Namespace) -> int:
     specs = ([args.model_arg] if args.model_arg else []) + list(args.model)
     catalog = ModelCatalog()
     for spec in specs or [None]:
-        path = resolve_served_path(spec)
+        path = model_path_for(spec)
         try:
             model = load_model(path, args)
         except ModelValidationError as exc:

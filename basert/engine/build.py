@@ -37,7 +37,7 @@ class EngineOptions:
     prefix_cache: bool = False
     prefix_cache_file: Path | None = None  # PATH: the cache persists in PATH.<model id>
     verify_checksums: bool = True
-    model_id: str | None = None         # default: org/name inside the models directory, else the file stem
+    model_id: str | None = None         # default: see model_id_for
     token_budget: int = DEFAULT_TOKEN_BUDGET
     pooling: str = "mean"               # of embeddings: mean, last or cls (the first token)
 
@@ -82,8 +82,7 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
         tokenizer = None
         if tokenizer_object.get("tokenizer_type") != "none":
             tokenizer = Tokenizer.from_object(tokenizer_object)
-        header_name = (runner.base.header.get("metadata") or {}).get("general.name")
-        model_id = options.model_id or model_id_for(path, header_name)
+        model_id = options.model_id or model_id_for(path)
         prefix_cache = None
         if options.prefix_cache:
             # A hybrid's state snapshot is charged against the pool as the blocks its bytes would fill (one
@@ -109,14 +108,16 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
         raise
 
 
-def model_id_for(path: Path, header_name: str | None) -> str:
-    """`org/name` for `<models dir>/<org>/<name>/<variant>/model.base`, else the header's name or file stem."""
-    from basert.models_dir import MODEL_FILE_NAME, models_dir
+def model_id_for(path: Path) -> str:
+    """A model's id: `org/name` for `<models dir>/<org>/<name>/<variant>/model.base` (`name` for a file converted
+    on first use, kept under the `local` org), else the file's stem."""
+    from basert.models_dir import LOCAL_ORG, MODEL_FILE_NAME, models_dir
 
     try:
         relative = path.resolve().relative_to(models_dir().resolve())
     except ValueError:
         relative = None
     if relative is not None and len(relative.parts) == 4 and relative.name == MODEL_FILE_NAME:
-        return f"{relative.parts[0]}/{relative.parts[1]}"
-    return header_name or path.stem
+        org, name = relative.parts[:2]
+        return name if org == LOCAL_ORG else f"{org}/{name}"
+    return path.stem
