@@ -9,10 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import FIXTURES
 
 from basert import __version__
+from basert.testing.launcher import ServerProcess
 
 
 def basert(*args: str, models_dir: Path | None = None) -> subprocess.CompletedProcess:
@@ -134,3 +136,38 @@ def test_serve_refuses_a_port_in_use_in_one_line_before_loading(tmp_path: Path) 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def served_mode(log: str) -> str:
+    """The startup line that tells how the model is served: slots, KV layout, batching and prefix cache."""
+    return next(line.split(": ", 2)[-1] for line in log.splitlines() if " slot(s), KV " in line)
+
+
+@pytest.mark.parametrize(("flags", "mode"), [
+    ((), "4 slot(s), KV paged: 256 blocks of 16 tokens (3.0 MiB), continuous batching, prefix cache"),
+    (("-np", "2"), "2 slot(s), KV paged: 128 blocks of 16 tokens (1.5 MiB), continuous batching, prefix cache"),
+    (("--parallel", "2", "--no-prefix-cache"),
+     "2 slot(s), KV paged: 128 blocks of 16 tokens (1.5 MiB), continuous batching"),
+    (("--no-continuous-batching",), "1 slot(s), KV paged: 64 blocks of 16 tokens (0.8 MiB), prefix cache"),
+    (("--no-continuous-batching", "--no-prefix-cache", "--slots", "2"),
+     "2 slot(s), KV reserved per slot: 128 blocks of 16 tokens (1.5 MiB)"),
+], ids=["default", "np", "parallel-no-cache", "single", "single-no-cache"])
+def test_serve_batches_and_caches_by_default(flags: tuple[str, ...], mode: str, tiny_f32_bases: dict[str, Path],
+                                             tmp_path: Path) -> None:
+    """Without flags: 4 slots decoded together sharing a prefix cache; llama.cpp's -np/--parallel set the slots."""
+    with ServerProcess(tiny_f32_bases["qwen3-tiny"], "-c", "1024", *flags, log_path=tmp_path / "server.log") as server:
+        assert served_mode(server.log_text()) == mode
+        props = httpx.get(server.url + "/props").json()
+        assert props["total_slots"] == int(mode.split()[0])
+        assert props["default_generation_settings"]["n_ctx"] == 1024
+
+
+def test_serve_flag_errors_show_the_usage_of_serve() -> None:
+    result = basert("serve", "--no-such-flag")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: basert serve")
+    assert "basert serve: error: unrecognized arguments: --no-such-flag" in result.stderr
+    result = basert("serve", "-c", "lots")
+    assert result.returncode == 2 and "basert serve: error: argument --max-context/--ctx-size/-c" in result.stderr
+    result = basert("serve", "--no-prefix-cache", "--prefix-cache-file", "pc", "--port", "1")
+    assert result.returncode == 2 and "--no-prefix-cache and --prefix-cache-file disagree" in result.stderr

@@ -24,7 +24,9 @@ ORIGIN = "http://app.example"
 @pytest.fixture(scope="module")
 def server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("hardening")
-    with ServerProcess(smollm2_base, "--max-context", "4096", "--threads", "2", "--max-body-bytes", "100000",
+    # One slot, one request at a time: the queue tests fill it with one stream.
+    with ServerProcess(smollm2_base, "--no-continuous-batching", "--max-context", "4096", "--threads", "2",
+                       "--max-body-bytes", "100000",
                        "--files-dir", str(root / "files"), "--slot-save-path", str(root / "slots"),
                        "--cors-allow-origin", ORIGIN, "--max-queued", "2", "--queue-timeout", "10",
                        log_path=root / "server.log") as proc:

@@ -22,7 +22,8 @@ FRESH_TOGETHER = 2
 @pytest.fixture(scope="module")
 def fresh_answers() -> dict[tuple[str, bool, str], str]:
     """Answers from servers started for one request, by (model, plain, key): every test here compares with the
-    default single-slot server computed from empty state, so one fresh answer serves them all."""
+    default server (4 batched slots, prefix cache) computed from empty state, so one fresh answer serves them
+    all."""
     return {}
 
 
@@ -37,8 +38,9 @@ def model_and_flags(name: str, smollm2_base: Path, qwen35_chat_base: Path) -> tu
 async def test_requests_equal_their_fresh_server_answers(name: str, plain: bool, smollm2_base: Path,
                                                          qwen35_chat_base: Path, server_pool: ServerPool,
                                                          fresh_answers: dict, tmp_path: Path):
-    """8 (4 plain) sequential requests, then 2 and 4 concurrent ones, on one default single-slot server; each
-    answer equals the answer of a server started for that request alone."""
+    """8 (4 plain) sequential requests, then 2 and 4 concurrent ones, on one server started without flags (4
+    batched slots sharing a prefix cache); each answer equals the answer of a server started for that request
+    alone."""
     model, flags = model_and_flags(name, smollm2_base, qwen35_chat_base)
     n = 8 if not plain else 4
     outcomes = await shared_answers(server_pool.get(model, *flags).url, n, [2, 4], plain)
@@ -54,18 +56,25 @@ async def test_requests_equal_their_fresh_server_answers(name: str, plain: bool,
         assert all(marker in o.answer for o in outcomes), report(outcomes)
 
 
+OTHER_MODES = {
+    "8-batched-slots": ("--continuous-batching", "8"),
+    "single-slot-no-cache": ("--no-continuous-batching", "--no-prefix-cache"),
+}
+
+
 @pytest.mark.parametrize("name", ["smollm2", "qwen35-hybrid"])
-@pytest.mark.parametrize("plain", [False, True], ids=["tool-calls", "plain-chat"])
-async def test_continuous_batching_with_prefix_cache_equals_default_mode(name: str, plain: bool, smollm2_base: Path,
-                                                                         qwen35_chat_base: Path,
-                                                                         server_pool: ServerPool,
-                                                                         fresh_answers: dict):
-    """N = 1, 2, 4, 8 concurrent requests on 8 batched slots sharing a prefix cache; every answer equals the
-    answer of the default single-slot server computed from empty state: a fresh server's where the test above
-    has one for the request, otherwise one server's with every slot erased before the request."""
+@pytest.mark.parametrize(("mode", "plain"), [("8-batched-slots", False), ("8-batched-slots", True),
+                                             ("single-slot-no-cache", False)])
+async def test_other_modes_equal_the_default_mode(name: str, mode: str, plain: bool, smollm2_base: Path,
+                                                  qwen35_chat_base: Path, server_pool: ServerPool,
+                                                  fresh_answers: dict):
+    """N = 1, 2, 4, 8 concurrent requests on 8 batched slots sharing a prefix cache, or on one slot without a
+    prefix cache; every answer equals the answer of the default server computed from empty state: a fresh
+    server's where the test above has one for the request, otherwise one server's with every slot erased before
+    the request."""
     model, flags = model_and_flags(name, smollm2_base, qwen35_chat_base)
-    batched = server_pool.get(model, *flags, "--continuous-batching", "8", "--prefix-cache")
-    outcomes = await shared_answers(batched.url, 4, [1, 2, 4, 8], plain)
+    other = server_pool.get(model, *flags, *OTHER_MODES[mode])
+    outcomes = await shared_answers(other.url, 4, [1, 2, 4, 8], plain)
     for outcome in outcomes:
         outcome.fresh = fresh_answers.get((name, plain, outcome.key), "")
     unknown = [o for o in outcomes if (name, plain, o.key) not in fresh_answers]

@@ -79,12 +79,14 @@ def cached_of(response: dict) -> int:
     return response["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+SINGLE = ["--no-continuous-batching"]  # one request at a time over two slots
 FLAG_SETS = {
-    "contiguous": ["--slots", "2"],
-    "paged": ["--paged-kv", "--slots", "2"],
-    "prefix-cache": ["--prefix-cache", "--slots", "2"],
-    "paged-batching": ["--paged-kv", "--continuous-batching", "4"],
-    "cache-file": ["--prefix-cache-file", "{tmp}/pc", "--slots", "2"],
+    "default": [],
+    "contiguous": [*SINGLE, "--no-prefix-cache", "--slots", "2"],
+    "paged": [*SINGLE, "--no-prefix-cache", "--paged-kv", "--slots", "2"],
+    "prefix-cache": [*SINGLE, "--slots", "2"],
+    "paged-batching": ["--no-prefix-cache", "--continuous-batching", "4"],
+    "cache-file": [*SINGLE, "--prefix-cache-file", "{tmp}/pc", "--slots", "2"],
 }
 
 

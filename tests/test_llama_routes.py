@@ -146,7 +146,7 @@ def test_logit_bias_forms_and_response_fields(server: ServerProcess):
     ({"n": 2}, "n"),
     ({"n_probs": 21}, "n_probs"),
     ({"logit_bias": [[5, 101]]}, "logit_bias"),
-    ({"id_slot": 3}, "id_slot"),
+    ({"id_slot": 4}, "id_slot"),  # the default 4 slots are 0 to 3
 ], ids=["bad-gbnf", "bad-schema", "two-constraints", "empty", "unknown-id", "nested-in-mixed", "n", "n_probs",
         "bias", "id_slot"])
 def test_bad_completion_requests_are_400(server: ServerProcess, body: dict, param: str | None):
@@ -178,7 +178,9 @@ def test_id_slot_cache_prompt_and_slots_listing(server: ServerProcess):
     uncached = answer(post(server.url, "/completion", {**body, "cache_prompt": False}))
     assert (uncached["content"], uncached["id_slot"]) == (first["content"], 0)
     assert uncached["generation_settings"]["cache_prompt"] is False
-    [slot] = answer(httpx.get(server.url + "/slots"))
+    slots = answer(httpx.get(server.url + "/slots"))
+    assert [s["id"] for s in slots] == [0, 1, 2, 3]
+    slot = slots[0]
     assert {k: slot[k] for k in ("id", "model", "is_processing", "n_ctx", "request_id", "id_task", "speculative")} == {
         "id": 0, "model": model_id(server), "is_processing": False, "n_ctx": 512, "request_id": None,
         "id_task": -1, "speculative": False}
@@ -197,7 +199,7 @@ def test_context_overflow_has_both_error_types(server: ServerProcess):
 
 def test_props(server: ServerProcess, smollm2_tokenizer_object: dict):
     props = answer(httpx.get(server.url + "/props"))
-    assert (props["total_slots"], props["model_alias"]) == (1, model_id(server))
+    assert (props["total_slots"], props["model_alias"]) == (4, model_id(server))
     assert props["model_path"].endswith(".base")
     assert props["chat_template"] == smollm2_tokenizer_object["tokenizer.chat_template"]
     assert (props["bos_token"], props["eos_token"]) == ("<|im_start|>", "<|im_end|>")

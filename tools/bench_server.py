@@ -9,7 +9,8 @@ port, warmed up with one tiny unrelated completion, stopped with SIGTERM afterwa
 (a) Shared prefix: --requests (8) chat requests whose system message is the same made-up manual of about
     --prefix-tokens (4000) tokens, counted with /tokenize, each with a short distinct question and
     max_tokens 8; once sequentially and once with --concurrency (4) in flight, each on its own server,
-    for the configs `baseline` (one slot), `prefix-cache`, `batching` (4 slots) and `batching+prefix-cache`.
+    for the configs `baseline` (one slot, no prefix cache), `prefix-cache`, `batching` (4 slots),
+    `batching+prefix-cache` and `default` (no flags: what `basert serve` does out of the box).
     Per request: prompt tokens, cached tokens, server prefill time and tok/s (the response `timings`,
     which count only uncached tokens, from the first prompt chunk computed, so queueing and waiting for a
     shared prefix that another request is computing are excluded) and client TTFT (send to the first chunk with
@@ -17,9 +18,9 @@ port, warmed up with one tiny unrelated completion, stopped with SIGTERM afterwa
     other requests divided by that of the request whose first token came first.
 (b) Decode: --streams (1,2,4,8) simultaneous streams of distinct "write a long story" prompts with
     max_tokens --decode-tokens (128) and ignore_eos, on one server per config, for the configs `baseline`
-    and `continuous-batching`. aggregate tok/s = sum of completion tokens / (makespan - earliest
-    first-token time), i.e. over the decode phase (not makespan - mean TTFT: without batching the streams
-    queue, so later TTFTs include earlier streams' decode); raw tok/s = the same sum / makespan;
+    (one slot), `continuous-batching` (8 slots) and `default`. aggregate tok/s = sum of completion tokens /
+    (makespan - earliest first-token time), i.e. over the decode phase (not makespan - mean TTFT: without
+    batching the streams queue, so later TTFTs include earlier streams' decode); raw tok/s = the same sum / makespan;
     per-stream tok/s = (completion tokens - 1) / (last chunk - first chunk), averaged over the streams.
 (c) Peak RSS: VmHWM of each server process, read from /proc/PID/status just before it is stopped.
 
@@ -59,13 +60,16 @@ class Config:
     flags: tuple[str, ...]
 
 
+SINGLE_SLOT = ("--no-continuous-batching",)
 CONFIGS = (
-    Config("baseline", "a", ()),
-    Config("prefix-cache", "a", ("--prefix-cache",)),
-    Config("batching", "a", ("--continuous-batching", "4")),
+    Config("baseline", "a", (*SINGLE_SLOT, "--no-prefix-cache")),
+    Config("prefix-cache", "a", (*SINGLE_SLOT, "--prefix-cache")),
+    Config("batching", "a", ("--continuous-batching", "4", "--no-prefix-cache")),
     Config("batching+prefix-cache", "a", ("--continuous-batching", "4", "--prefix-cache")),
-    Config("baseline", "b", ()),
+    Config("default", "a", ()),
+    Config("baseline", "b", (*SINGLE_SLOT, "--no-prefix-cache")),
     Config("continuous-batching", "b", ("--continuous-batching", "8")),
+    Config("default", "b", ()),
 )
 ANSWER_TOKENS = 8
 HTTP_TIMEOUT = httpx.Timeout(600.0)

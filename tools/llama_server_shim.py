@@ -22,11 +22,12 @@ SAME_VALUE = {
     "--slot-save-path": "--slot-save-path", "--log-file": "--log-file",
     "--chat-template-file": "--chat-template",
 }
-# llama.cpp flags that pass through as they are (no value).
-SAME_SWITCH = {"--no-slots": "--no-slots", "--metrics": "--metrics"}
+# llama.cpp switches (no value) and BaseRT's.
+SAME_SWITCH = {"--no-slots": "--no-slots", "--metrics": "--metrics", "-nocb": "--no-continuous-batching",
+               "--no-cont-batching": "--no-continuous-batching"}
 # llama.cpp switches that take no value and need nothing here (BaseRT's default already behaves so).
 NO_VALUE = {
-    "--slots", "--jinja", "-cb", "--cont-batching", "-nocb", "--no-cont-batching", "-fa", "--flash-attn",
+    "--slots", "--jinja", "-cb", "--cont-batching", "-fa", "--flash-attn",
     "--embedding", "--embeddings", "--reranking", "--rerank", "--no-webui", "--verbose", "-v", "--log-verbose",
     "--no-context-shift", "--context-shift", "--no-mmap", "--mlock", "--no-warmup", "--props", "--no-perf",
     "--log-disable", "--log-colors", "--log-prefix", "--log-timestamps", "--no-mmproj", "--no-prefill-assistant",

@@ -13,6 +13,8 @@ from basert.server.logs import RepeatedWarningFilter
 
 log = logging.getLogger("basert.serve")
 
+DEFAULT_LANES = 4  # slots batched together when no flag says otherwise
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", metavar="MODEL",
@@ -32,19 +34,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", "-t", type=int, help="engine threads (default: all cores)")
     p.add_argument("--kv-bits", type=int, choices=(16, 32), default=16, help="KV element width (default 16)")
     p.add_argument("--paged-kv", action="store_true",
-                   help="one shared KV block pool, blocks allocated on demand (default: each slot reserves "
-                   "--max-context)")
+                   help="one shared KV block pool, blocks allocated on demand (implied by continuous batching "
+                   "and the prefix cache; without both, each slot reserves --max-context)")
     p.add_argument("--kv-cache-tokens", type=int, metavar="N",
                    help="size of the paged KV pool in tokens (default: slots x max-context); implies --paged-kv")
-    p.add_argument("--continuous-batching", type=int, nargs="?", const=8, default=0, metavar="N",
-                   help="N slots (default 8) decoded together in one forward, with chunked prefill; implies "
-                   "--paged-kv. Without it one request runs at a time and the others queue")
+    p.add_argument("--continuous-batching", type=int, nargs="?", const=8, default=None, metavar="N",
+                   help=f"N slots decoded together in one forward, with chunked prefill; implies --paged-kv "
+                   f"(default on: {DEFAULT_LANES} slots, or -np N; the flag alone means 8)")
+    p.add_argument("--no-continuous-batching", dest="continuous_batching", action="store_const", const=0,
+                   help="one request at a time, the others queue (with --slots N, N slots keep their histories)")
     p.add_argument("--slots", "--parallel", "-np", type=int, default=None, metavar="N",
-                   help="number of slots (each keeps its own history for reuse and snapshots; default 1, or N "
-                   "of --continuous-batching)")
-    p.add_argument("--prefix-cache", action="store_true",
+                   help="number of slots, each keeping its own history for reuse and snapshots (default "
+                   f"{DEFAULT_LANES}, 1 with --no-continuous-batching; -np/--parallel as in llama.cpp)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="share the KV (and hybrid recurrent snapshots) of common prompt prefixes between "
-                   "requests; implies --paged-kv")
+                   "requests; implies --paged-kv (default on)")
     p.add_argument("--prefix-cache-file", type=Path, metavar="PATH",
                    help="persist the prefix cache per model to PATH.<model id, '/' -> '--'>: loaded at start, "
                    "saved at shutdown; implies --prefix-cache")
@@ -89,12 +93,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> str | None:
     """The first problem with the KV flags, as a message for the user."""
-    if args.continuous_batching < 0:
+    if args.continuous_batching is not None and args.continuous_batching < 0:
         return "--continuous-batching N needs N >= 1"
     if args.slots is not None and args.slots < 1:
         return "--slots N needs N >= 1"
     if args.slots is not None and args.continuous_batching and args.slots != args.continuous_batching:
         return "--slots and --continuous-batching N disagree: continuous batching runs one request per slot"
+    if args.prefix_cache is False and args.prefix_cache_file is not None:
+        return "--no-prefix-cache and --prefix-cache-file disagree: the file persists the prefix cache"
     if args.kv_cache_tokens is not None and args.kv_cache_tokens < 16:
         return "--kv-cache-tokens must be at least 16 (one block)"
     if args.prefix_cache_save_interval < 0:
@@ -138,15 +144,18 @@ def engine_options(args: argparse.Namespace):
     """The engine's part of the flags."""
     from basert.engine.build import EngineOptions
 
+    lanes = args.continuous_batching
+    if lanes is None:  # batched by default, as many lanes as -np asks for
+        lanes = args.slots or DEFAULT_LANES
     return EngineOptions(
         max_context=args.max_context,
-        n_slots=args.continuous_batching or args.slots or 1,
-        continuous_batching=bool(args.continuous_batching),
+        n_slots=lanes or args.slots or 1,
+        continuous_batching=bool(lanes),
         paged_kv=args.paged_kv,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_bits=args.kv_bits,
         threads=args.threads,
-        prefix_cache=args.prefix_cache,
+        prefix_cache=args.prefix_cache is not False,
         prefix_cache_file=args.prefix_cache_file,
         verify_checksums=args.verify_checksums,
         pooling=args.pooling,
