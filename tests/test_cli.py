@@ -171,3 +171,16 @@ def test_serve_flag_errors_show_the_usage_of_serve() -> None:
     assert result.returncode == 2 and "basert serve: error: argument --max-context/--ctx-size/-c" in result.stderr
     result = basert("serve", "--no-prefix-cache", "--prefix-cache-file", "pc", "--port", "1")
     assert result.returncode == 2 and "--no-prefix-cache and --prefix-cache-file disagree" in result.stderr
+
+
+def test_a_served_gguf_is_converted_once_and_listed_by_its_stem(smollm2_gguf: Path, tmp_path: Path) -> None:
+    gguf = tmp_path / "my-smol.Q4_1.gguf"
+    gguf.symlink_to(smollm2_gguf)
+    env = {"BASERT_MODELS_DIR": str(tmp_path / "models")}
+    for run in ("first", "second"):
+        with ServerProcess(gguf, "-c", "256", log_path=tmp_path / f"{run}.log", env=env) as server:
+            assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["my-smol.Q4_1"]
+        converted = "installed" in (tmp_path / f"{run}.log").read_text()
+        assert converted == (run == "first")
+    listed = json.loads(basert("list", "--json", models_dir=tmp_path / "models").stdout)
+    assert [(m["id"], m["variant"]) for m in listed] == [("local/my-smol.Q4_1", "default")]
