@@ -4,12 +4,12 @@ from __future__ import annotations
 
 __version__ = "0.2.0"
 
-__all__ = ["GenerationStats", "Model", "__version__"]
+__all__ = ["ChatDelta", "ChatReply", "GenerationStats", "Model", "__version__"]
 
 
 def __getattr__(name: str):
     # Importing the engine loads the compiled kernels; the CLI and the converter do not need them.
-    if name in ("Model", "GenerationStats"):
+    if name in __all__:
         from basert import api
 
         return getattr(api, name)

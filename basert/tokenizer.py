@@ -294,3 +294,19 @@ def _config_token_id(hf: HFTokenizer, token: str | dict | None) -> int | None:
     if not token:
         return None
     return hf.token_to_id(token)
+
+
+# Tokens compared at a time by `common_prefix`: list slices compare far faster than a loop over single tokens.
+PREFIX_STRIDE = 16
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (compared a stride of tokens at a time:
+    prompts of thousands of tokens are compared on every admission and scheduling step)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i + PREFIX_STRIDE <= n and a[i:i + PREFIX_STRIDE] == b[i:i + PREFIX_STRIDE]:
+        i += PREFIX_STRIDE
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -8,7 +8,7 @@ import pytest
 from basert.engine.kv import BLOCK_SIZE, BlockPool, BlockTable, OutOfBlocksError
 from basert.engine.prefix_cache import ROOT_KEY, PrefixCache
 from basert.engine.sequence import RecurrentState
-from basert.engine.slots import common_prefix
+from basert.tokenizer import common_prefix
 
 
 def tokens(start: int, n_blocks: int) -> list[int]:

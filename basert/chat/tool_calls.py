@@ -14,6 +14,7 @@ from typing import Any
 from uuid import uuid4
 
 from basert.chat.reasoning import partial_tag_length
+from basert.errors import InvalidRequestError
 
 QWEN_JSON = "qwen_json"
 QWEN_XML = "qwen_xml"
@@ -42,6 +43,11 @@ class ToolCall:
     id: str
     name: str
     arguments: str
+
+    @property
+    def parsed_arguments(self) -> dict[str, Any]:
+        """The arguments as a dict."""
+        return json.loads(self.arguments)
 
     def to_openai(self) -> dict:
         """The call as an entry of an OpenAI `message.tool_calls` list."""
@@ -113,6 +119,25 @@ def inject_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
     else:
         merged = prompt
     return [{**system, "content": merged}, *messages[1:]]
+
+
+class ToolChoiceError(InvalidRequestError, ValueError):
+    """A `tool_choice` that the request's tools cannot meet."""
+
+    param = "tool_choice"
+
+
+def check_forced_tool(tools: list[dict] | None, name: str | None) -> None:
+    """Raise ToolChoiceError unless `tools` can meet a forced call (of the function `name`, when one is named)."""
+    if not tools:
+        raise ToolChoiceError("tool_choice requires tools")
+    if name and name not in {tool["function"]["name"] for tool in tools}:
+        raise ToolChoiceError(f"tool_choice names {name!r}, which is not in tools")
+
+
+def max_calls_per_turn(parallel: bool, name: str | None) -> int:
+    """The most tool calls one turn may make: one when parallel calls are off or `tool_choice` names a function."""
+    return MAX_TOOL_CALLS_PER_TURN if parallel and name is None else 1
 
 
 class ToolCallParser(ABC):

@@ -20,23 +20,17 @@ def model_path_for(spec: str | None) -> Path:
 
 def cmd_complete(args: argparse.Namespace) -> int:
     import basert
-    from basert.chat.encoder import ChatEncoder
-    from basert.chat.template import ChatTemplate
+    from basert.chat.prompt import plan_chat_prompt
 
     with basert.Model(model_path_for(args.model), max_context=args.max_context, threads=args.threads) as model:
         prompt = args.prompt
         if args.chat:
-            template_source = model.tokenizer.chat_template if model.tokenizer else None
-            if not template_source:
+            if model.chat_template is None:
                 print("error: this model has no chat template", file=sys.stderr)
                 return 1
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             messages.append({"role": "user", "content": prompt})
-            template = ChatTemplate(template_source, bos_token=model.tokenizer.bos_token or "",
-                                    eos_token=model.tokenizer.eos_token or "")
-            # Special-token text typed into a message stays plain text; only the template writes control tokens.
-            encoder = ChatEncoder(model.tokenizer)
-            prompt = encoder.encode(template.render(encoder.hide(messages), add_generation_prompt=True))
+            prompt = plan_chat_prompt(model.chat_template, model.tokenizer, messages, None).prompt
 
         printed = 0
 

@@ -142,11 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_list)
 
-    from basert.cli import bench, generate, serve, slots
+    from basert.cli import bench, chat, generate, serve, slots
 
     serve.add_parser(sub)
     slots.add_parser(sub)
     generate.add_parser(sub)
+    chat.add_parser(sub)
     bench.add_parser(sub)
     return parser
 

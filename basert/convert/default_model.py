@@ -6,8 +6,15 @@ from pathlib import Path
 
 from basert.convert.pipeline import convert
 from basert.convert.source import ProgressHook
-from basert.models_dir import (DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_ID, LOCAL_ORG, default_model_path, model_path,
-                               resolve_model, smollm2_gguf_path)
+from basert.models_dir import (
+    DEFAULT_MODEL_ALIAS,
+    DEFAULT_MODEL_ID,
+    LOCAL_ORG,
+    default_model_path,
+    model_path,
+    resolve_model,
+    smollm2_gguf_path,
+)
 
 PULLABLE = {DEFAULT_MODEL_ALIAS: DEFAULT_MODEL_ID, DEFAULT_MODEL_ID: DEFAULT_MODEL_ID}
 

@@ -26,6 +26,7 @@ from basert.engine.runner import ModelRunner
 from basert.engine.sampler import Sampler
 from basert.engine.sequence import RecurrentState, SequenceState
 from basert.engine.types import GenerationRequest
+from basert.tokenizer import common_prefix
 
 MAX_SLOT_CHECKPOINTS = 4
 
@@ -273,15 +274,3 @@ class Slots:
         running.pending = list(slot.sequence.tokens) + running.pending
         self.forget(slot)
         running.stops = self.capture_points(running.request, 0) if running.next_token is None else []
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists (compared a block of tokens at a time:
-    prompts of thousands of tokens are compared on every admission and scheduling step)."""
-    n = min(len(a), len(b))
-    i = 0
-    while i + BLOCK_SIZE <= n and a[i:i + BLOCK_SIZE] == b[i:i + BLOCK_SIZE]:
-        i += BLOCK_SIZE
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -3,7 +3,8 @@ turn the engine's tokens into per-choice events (reasoning text, content text, t
 
 OpenAI chat completions, Anthropic messages and OpenAI responses translate their request into a
 `ChatCompletionRequest`, call `start_chat`, and format the `ChatRun`'s events: a streamed response writes them as
-they come, a complete one collects them first (`ChatRun.results`), so the two forms always agree.
+they come, a complete one collects them first (`ChatRun.results`), so the two forms always agree. The rendering
+(`basert.chat.prompt`) and the per-choice parsers (`basert.chat.reply`) are shared with `basert.Model.chat`.
 """
 
 from __future__ import annotations
@@ -12,20 +13,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from basert.chat.encoder import ChatEncoder
-from basert.chat.reasoning import ReasoningParser, opens_in_prompt
-from basert.chat.template import ChatTemplate, content_text
-from basert.chat.tool_calls import (
-    CLOSE_TAG,
-    MAX_TOOL_CALLS_PER_TURN,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallParser,
-    inject_tool_prompt,
-    make_tool_parser,
-)
-from basert.engine.sampler import TokenLogprob
-from basert.engine.slots import common_prefix
+from basert.chat.prompt import ChatPlan, plan_chat_prompt
+from basert.chat.reply import ChatChoiceState
+from basert.chat.tool_calls import CLOSE_TAG, ToolCallDelta, check_forced_tool, max_calls_per_turn
 from basert.engine.types import FinishEvent, TokenEvent
 from basert.server.access_log import RequestRecord
 from basert.server.catalog import ServedModel
@@ -46,15 +36,6 @@ from basert.server.schemas import ChatCompletionRequest
 # --- rendering ----------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class ChatPlan:
-    prompt: list[int]
-    tools: list[dict] | None
-    starts_in_reasoning: bool
-    has_reasoning: bool
-    segment_ends: tuple[int, ...] = ()
-
-
 def continues_final_message(body: ChatCompletionRequest) -> bool:
     """Whether the prompt continues the final message (an assistant prefill) rather than opening a new turn.
 
@@ -68,75 +49,16 @@ def continues_final_message(body: ChatCompletionRequest) -> bool:
 
 
 def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
-    """Render the conversation (with tools) through the model's template and tokenize it.
-
-    Special-token text inside messages and tools stays plain text: only the template's markup becomes control tokens.
-    """
+    """Render the conversation (with tools) through the model's template and tokenize it."""
     template = model.require_template()
     tokenizer = model.require_tokenizer()
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     use_tools = tools if (tools and body.tool_choice != "none") else None
-    kwargs = dict(body.chat_template_kwargs or {})
-    if is_constrained(body, use_tools):
-        # A grammar forces the answer to start at once: a reasoning block opened by the prompt would
-        # swallow it, so thinking is off unless the request asks otherwise.
-        kwargs.setdefault("enable_thinking", False)
-    template_tools = use_tools
-    if use_tools and not template.supports_tools:
-        messages = inject_tool_prompt(messages, use_tools)
-        template_tools = None
-    encoder = ChatEncoder(tokenizer)
-    messages = encoder.hide(messages)
-    template_tools = encoder.hide(template_tools)
-    if continues_final_message(body):
-        rendered = render_prefill(template, messages, template_tools, kwargs)
-    else:
-        rendered = template.render(messages, tools=template_tools, add_generation_prompt=body.add_generation_prompt,
-                                   **kwargs)
-    prompt = encoder.encode(rendered)
-    has_reasoning = "<think>" in (tokenizer.chat_template or "") or "<think>" in rendered
-    segment_ends = ()
-    if model.wants_segment_ends:
-        segment_ends = message_boundaries(encoder, messages, rendered, prompt)
-    return ChatPlan(prompt, use_tools, opens_in_prompt(rendered), has_reasoning, segment_ends)
-
-
-def render_prefill(template: ChatTemplate, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
-    """The prompt that continues the final message: the conversation rendered with it, cut right after its text
-    (the template's end-of-turn markup dropped); where the template changes that text, the conversation before it
-    with a generation prompt, then the text."""
-    text = content_text(messages[-1].get("content"))
-    if text:
-        closed = template.render(messages, tools=tools, add_generation_prompt=False, **kwargs)
-        at = closed.rfind(text)
-        if at >= 0:
-            return closed[: at + len(text)]
-    return template.render(messages[:-1], tools=tools, add_generation_prompt=True, **kwargs) + text
-
-
-def message_boundaries(encoder: ChatEncoder, messages: list[dict], rendered: str, prompt: list[int]) -> tuple[int, ...]:
-    """Token positions where the first message (the system prompt) and the previous turn end.
-
-    A hybrid model keeps its recurrent state there, so the next request that shares the system prompt or
-    the conversation so far resumes from it. Found by locating each message's text in the rendered prompt
-    (rendering a partial conversation is not possible with every template). `messages` and `rendered` are
-    what the template saw, markers included.
-    """
-    ends = set()
-    cursor = 0
-    wanted = {0, len(messages) - 2}
-    for index, message in enumerate(messages[:-1]):
-        content = message.get("content")
-        if not isinstance(content, str) or not content:
-            continue
-        at = rendered.find(content, cursor)
-        if at < 0:
-            break
-        cursor = at + len(content)
-        if index in wanted:
-            ends.add(common_prefix(encoder.encode(rendered[:cursor]), prompt))
-    return tuple(sorted(end for end in ends if end > 0))
+    return plan_chat_prompt(template, tokenizer, messages, use_tools, template_kwargs=body.chat_template_kwargs,
+                            constrained=is_constrained(body, use_tools), continue_final=continues_final_message(body),
+                            add_generation_prompt=body.add_generation_prompt,
+                            segment_ends=model.wants_segment_ends)
 
 
 def forced_tool(body: ChatCompletionRequest) -> tuple[bool, str | None]:
@@ -155,17 +77,14 @@ def is_constrained(body: ChatCompletionRequest, tools: list[dict] | None) -> boo
 def calls_allowed(body: ChatCompletionRequest) -> int:
     """The most tool calls one turn may make: one with `parallel_tool_calls` false or a named tool_choice."""
     _, name = forced_tool(body)
-    return MAX_TOOL_CALLS_PER_TURN if body.parallel_tool_calls and name is None else 1
+    return max_calls_per_turn(body.parallel_tool_calls, name)
 
 
 def constraint_factory_for(model: ServedModel, body: ChatCompletionRequest, tools: list[dict] | None):
     """A per-choice grammar matcher factory for forced tool calls and constrained output formats, or None."""
     forced, forced_name = forced_tool(body)
-    if forced and not tools:
-        raise invalid("tool_choice requires tools", "tool_choice")
     if forced:
-        if forced_name and forced_name not in {t["function"]["name"] for t in tools}:
-            raise invalid(f"tool_choice names {forced_name!r}, which is not in tools", "tool_choice")
+        check_forced_tool(tools, forced_name)
         factory = model.grammar_factory()
         grammar = factory.tool_call(tools, model.dialect, name=forced_name, max_calls=calls_allowed(body))
         return lambda: factory.matcher(grammar)
@@ -177,47 +96,6 @@ def constraint_factory_for(model: ServedModel, body: ChatCompletionRequest, tool
 
 
 # --- per-choice output --------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class ChatChoiceState:
-    """Per-choice parsers (one instance per request and choice) and what they produced."""
-
-    reasoning: ReasoningParser | None
-    tools: ToolCallParser | None
-    content: str = ""
-    reasoning_text: str = ""
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
-
-    def feed(self, text: str) -> tuple[str, str, list[ToolCallDelta]]:
-        """Split new text into (reasoning delta, content delta, tool-call deltas)."""
-        reasoning_delta, content = self.reasoning.feed(text) if self.reasoning else ("", text)
-        deltas = []
-        if self.tools is not None and content:
-            events = self.tools.feed(content)
-            content, deltas = events.content, events.tool_deltas
-        self.reasoning_text += reasoning_delta
-        self.content += content
-        return reasoning_delta, content, deltas
-
-    def finish(self, truncated: bool) -> tuple[str, str, list[ToolCallDelta]]:
-        reasoning_delta, content = self.reasoning.finish() if self.reasoning else ("", "")
-        deltas = []
-        if self.tools is not None:
-            if content:
-                events = self.tools.feed(content)
-                content, deltas = events.content, list(events.tool_deltas)
-            events = self.tools.finish(truncated)
-            content += events.content
-            deltas += events.tool_deltas
-        self.reasoning_text += reasoning_delta
-        self.content += content
-        return reasoning_delta, content, deltas
-
-    @property
-    def tool_calls(self) -> list[ToolCall]:
-        return self.tools.tool_calls if self.tools is not None else []
 
 
 @dataclass(slots=True)
@@ -255,13 +133,7 @@ class ChatRun:
         self.created = int(time.time())
         self.want_logprobs = body.logprobs or body.top_logprobs > 0
         self.done_list: list[FinishEvent] = []
-        self.states = [
-            ChatChoiceState(
-                ReasoningParser(starts_in_reasoning=plan.starts_in_reasoning) if plan.has_reasoning else None,
-                make_tool_parser(model.dialect, plan.tools) if plan.tools else None,
-            )
-            for _ in choices.requests
-        ]
+        self.states = [ChatChoiceState.for_plan(plan, model.dialect) for _ in choices.requests]
 
     async def events(self) -> AsyncIterator[ChoiceDelta | ChoiceEnd]:
         """The choices' deltas and ends, choice after choice; an engine failure is raised. Cancels what is left of
@@ -285,7 +157,7 @@ class ChatRun:
                     if delta.reasoning or delta.content or delta.tool_calls:
                         yield delta
                     self.done_list.append(reply)
-                    yield ChoiceEnd(index, finish_reason_of(reply, state), state, reply)
+                    yield ChoiceEnd(index, state.finish_reason(reply.finish_reason), state, reply)
         finally:
             self.choices.close()
             self.record.absorb(self.done_list)
@@ -299,12 +171,6 @@ class ChatRun:
 
     def timings(self) -> dict:
         return timings_body(self.done_list)
-
-
-def finish_reason_of(done: FinishEvent, state: ChatChoiceState) -> str:
-    if state.tool_calls and done.finish_reason == "stop":
-        return "tool_calls"
-    return done.finish_reason
 
 
 async def start_chat(model: ServedModel, body: ChatCompletionRequest, limits: ServerLimits, record: RequestRecord,

@@ -41,23 +41,11 @@ async def chat_completion(model: ServedModel, body: ChatCompletionRequest, limit
     return chat_object(run, await run.results())
 
 
-def assistant_message(end: ChoiceEnd) -> dict:
-    """The OpenAI assistant message of one finished choice."""
-    state = end.state
-    content = state.content if (state.content or not state.tool_calls) else None
-    message: dict = {"role": "assistant", "content": content}
-    if state.reasoning_text:
-        message["reasoning_content"] = state.reasoning_text
-    if state.tool_calls:
-        message["tool_calls"] = [call.to_openai() for call in state.tool_calls]
-    return message
-
-
 def chat_object(run: ChatRun, ends: list[ChoiceEnd]) -> dict:
     choices = []
     for end in ends:
         logprobs = chat_logprobs(run.model, end.state.ids, end.state.logprobs) if run.want_logprobs else None
-        choices.append({"index": end.index, "message": assistant_message(end), "finish_reason": end.finish_reason,
+        choices.append({"index": end.index, "message": end.state.message(), "finish_reason": end.finish_reason,
                         "logprobs": logprobs})
     return {
         "id": run.response_id, "object": "chat.completion", "created": run.created, "model": run.model.info.id,

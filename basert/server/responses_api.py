@@ -20,7 +20,6 @@ from basert.server.catalog import ServedModel
 from basert.server.chat_api import ChatRun, ChoiceDelta, ChoiceEnd, start_chat
 from basert.server.errors import ApiError, invalid, to_api_error
 from basert.server.generation import ServerLimits
-from basert.server.openai_api import assistant_message
 from basert.server.response_store import ResponseStore
 from basert.server.responses_schemas import (
     FunctionCallItem,
@@ -324,7 +323,7 @@ class Conversation:
     def keep(self, response: dict, end: ChoiceEnd) -> None:
         """Store `response` with the conversation it ends (its answer as the chat assistant message)."""
         if self.store is not None:
-            self.store.put(response, [*self.messages, assistant_message(end)])
+            self.store.put(response, [*self.messages, end.state.message()])
 
 
 async def create_response(model: ServedModel, body: ResponsesRequest, limits: ServerLimits, record: RequestRecord):
