@@ -18,10 +18,11 @@ port, warmed up with one tiny unrelated completion, stopped with SIGTERM afterwa
     other requests divided by that of the request whose first token came first.
 (b) Decode: --streams (1,2,4,8) simultaneous streams of distinct "write a long story" prompts with
     max_tokens --decode-tokens (128) and ignore_eos, on one server per config, for the configs `baseline`
-    (one slot), `continuous-batching` (8 slots) and `default`. aggregate tok/s = sum of completion tokens /
-    (makespan - earliest first-token time), i.e. over the decode phase (not makespan - mean TTFT: without
-    batching the streams queue, so later TTFTs include earlier streams' decode); raw tok/s = the same sum / makespan;
-    per-stream tok/s = (completion tokens - 1) / (last chunk - first chunk), averaged over the streams.
+    (one slot), `batching+prefix-cache` (4 slots), `continuous-batching` (8 slots) and `default`.
+    aggregate tok/s = sum of completion tokens / (makespan - earliest first-token time), i.e. over the
+    decode phase (not makespan - mean TTFT: without batching the streams queue, so later TTFTs include
+    earlier streams' decode); raw tok/s = the same sum / makespan; per-stream tok/s = (completion
+    tokens - 1) / (last chunk - first chunk), averaged over the streams.
 (c) Peak RSS: VmHWM of each server process, read from /proc/PID/status just before it is stopped.
 
 Configurations are data (CONFIGS), chosen with --configs; their flags follow the common ones
@@ -68,6 +69,7 @@ CONFIGS = (
     Config("batching+prefix-cache", "a", ("--continuous-batching", "4", "--prefix-cache")),
     Config("default", "a", ()),
     Config("baseline", "b", (*SINGLE_SLOT, "--no-prefix-cache")),
+    Config("batching+prefix-cache", "b", ("--continuous-batching", "4", "--prefix-cache")),
     Config("continuous-batching", "b", ("--continuous-batching", "8")),
     Config("default", "b", ()),
 )
