@@ -112,6 +112,12 @@ def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
     assert lines[0] == "| model | size | test | t/s |"
     assert [line.split("|")[3].strip() for line in lines[2:]] == ["pp16", "tg4"]
     assert all("±" in line for line in lines[2:])
+    # After 8 tokens of context, and decoding 2 sequences of the hybrid (each with its own recurrent state) together.
+    result = basert("bench", str(tiny_f32_bases["qwen3_5-tiny"]), "-p", "16", "-n", "4", "-r", "1", "-w", "0",
+                    "-d", "0", "8", "-b", "2")
+    assert result.returncode == 0, result.stderr
+    tests = [line.split("|")[3].strip() for line in result.stdout.strip().splitlines()[2:]]
+    assert tests == ["pp16", "tg4 x2", "pp16 @ d8", "tg4 x2 @ d8"]
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [("--max-context", "1", "max_context must be at least 2"),

@@ -1,8 +1,13 @@
 """Engine benchmark: pp128, pp512 and tg128 tokens/s plus peak RSS for one model; a table and JSON.
 
     python tools/bench_engine.py [MODEL] [--threads 2] [--repetitions 3] [--json bench_engine.json]
+    python tools/bench_engine.py --with-load [--rounds 3]    # decode on a shared CPU
 
 MODEL is a .base file or installed model id; default: the SmolLM2 default model (converted on first use).
+
+--with-load measures tg128 alternately alone and beside one competing CPU-bound process (a Python busy
+loop, started before and killed after each loaded measurement), for --rounds rounds, and prints the median
+of each and their ratio: how much of its idle speed decode keeps when it shares the CPU.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import argparse
 import json
 import platform
 import resource
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,9 +34,14 @@ def main() -> int:
     parser.add_argument("--warmup", "-w", type=int, default=1)
     parser.add_argument("--kv-bits", type=int, choices=(16, 32), default=16)
     parser.add_argument("--json", type=Path, default=Path("bench_engine.json"), help="where to write the JSON")
+    parser.add_argument("--with-load", action="store_true",
+                        help="tg128 alone and beside one busy process, alternately; print both and the ratio")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations for --with-load (default 3)")
     args = parser.parse_args()
 
     path = model_path_for(args.model)
+    if args.with_load:
+        return bench_with_load(path, args)
     results = run_bench(path, [128, 512], [128], args.repetitions, args.warmup, args.threads, args.kv_bits)
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     name = path.parent.parent.name if path.name == "model.base" else path.name
@@ -47,6 +59,33 @@ def main() -> int:
                      "runs_tokens_per_second": r.rates} for r in results],
         "peak_rss_mib": peak_rss_mib,
     }
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def bench_with_load(path: Path, args: argparse.Namespace) -> int:
+    """tg128 alone and beside a busy process, alternating; the medians and their ratio."""
+    idle: list[float] = []
+    loaded: list[float] = []
+    for round_number in range(1, args.rounds + 1):
+        [alone] = run_bench(path, [], [128], args.repetitions, args.warmup, args.threads, args.kv_bits)
+        idle += alone.rates
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            [shared] = run_bench(path, [], [128], args.repetitions, args.warmup, args.threads, args.kv_bits)
+        finally:
+            busy.kill()
+            busy.wait()
+        loaded += shared.rates
+        print(f"round {round_number}: alone {alone.mean:.1f} tok/s, beside a busy process {shared.mean:.1f} tok/s",
+              file=sys.stderr)
+    ratio = statistics.median(loaded) / statistics.median(idle)
+    print("| test | alone t/s (median) | beside 1 busy process t/s (median) | ratio |")
+    print("| --- | ---: | ---: | ---: |")
+    print(f"| tg128 | {statistics.median(idle):.1f} | {statistics.median(loaded):.1f} | {ratio:.2f} |")
+    report = {"basert_version": __version__, "model": str(path), "threads": args.threads,
+              "idle_tokens_per_second": idle, "loaded_tokens_per_second": loaded, "ratio_of_medians": ratio}
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
     return 0

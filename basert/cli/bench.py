@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,44 +31,66 @@ class BenchResult:
         return statistics.stdev(self.rates) if len(self.rates) > 1 else 0.0
 
 
-def time_prefill(engine, tokens: list[int]) -> float:
-    """One forward over the tokens from an empty slot."""
-    engine.erase(0)
+def fill_context(engine, depth_tokens: list[int], slot: int = 0) -> None:
+    """Empty the slot, then give it `depth_tokens` of history (not timed)."""
+    engine.erase(slot)
+    if depth_tokens:
+        engine.prefill(depth_tokens, slot)
+
+
+def time_prefill(engine, depth_tokens: list[int], tokens: list[int]) -> float:
+    """One forward over the tokens after `depth_tokens` of context."""
+    fill_context(engine, depth_tokens)
     started = time.perf_counter()
-    engine.prefill(tokens)
+    engine.prefill(depth_tokens + tokens)   # the context is reused: only `tokens` are computed
     return time.perf_counter() - started
 
 
-def time_decode(engine, n_tokens: int, first_token: int) -> float:
-    """n_tokens single-token forwards from an empty slot, each feeding back the argmax."""
-    engine.erase(0)
-    token = first_token
+def time_decode(engine, depth_tokens: list[int], n_tokens: int, first_tokens: list[int]) -> float:
+    """n_tokens steps after `depth_tokens` of context; each step is one forward that appends a token to each of
+    len(first_tokens) sequences (one per slot) and feeds back each sequence's argmax."""
+    from basert.engine.runner import ForwardRequest
+
+    for slot in range(len(first_tokens)):
+        fill_context(engine, depth_tokens, slot)
+    sequences = [engine.slots[slot].sequence for slot in range(len(first_tokens))]
+    tokens = list(first_tokens)
     started = time.perf_counter()
     for _ in range(n_tokens):
-        token = int(np.argmax(engine.decode(token)))
+        logits = engine.runner.forward([ForwardRequest(seq, [tok]) for seq, tok in zip(sequences, tokens)])
+        tokens = [int(np.argmax(rows[0])) for rows in logits]
     return time.perf_counter() - started
 
 
 def run_bench(path: Path, prompt_sizes: list[int], gen_sizes: list[int], repetitions: int, warmup: int,
-              threads: int | None = None, kv_bits: int = 16) -> list[BenchResult]:
-    """Measure each ppN and tgN `repetitions` times after `warmup` unrecorded runs."""
+              threads: int | None = None, kv_bits: int = 16, depths: tuple[int, ...] = (0,),
+              batch: int = 1) -> list[BenchResult]:
+    """Measure each ppN and tgN at each context depth `repetitions` times after `warmup` unrecorded runs; tgN
+    decodes `batch` sequences together (their tokens summed in the rate)."""
     from basert.engine import EngineOptions, build_engine
 
-    max_context = max(prompt_sizes + gen_sizes + [16])
-    engine = build_engine(path, EngineOptions(max_context=max_context, threads=threads, kv_bits=kv_bits))
+    max_context = max(depths) + max(prompt_sizes + gen_sizes + [16]) + 1
+    engine = build_engine(path, EngineOptions(max_context=max_context, threads=threads, kv_bits=kv_bits,
+                                              n_slots=batch, paged_kv=batch > 1))
     rng = np.random.default_rng(0)
     results = []
     try:
-        for n in prompt_sizes:
-            tokens = rng.integers(0, engine.info.vocab_size, n).tolist()
-            for _ in range(warmup):
-                time_prefill(engine, tokens)
-            results.append(BenchResult(f"pp{n}", n, [time_prefill(engine, tokens) for _ in range(repetitions)]))
-        for n in gen_sizes:
-            first = int(rng.integers(0, engine.info.vocab_size))
-            for _ in range(warmup):
-                time_decode(engine, n, first)
-            results.append(BenchResult(f"tg{n}", n, [time_decode(engine, n, first) for _ in range(repetitions)]))
+        for depth in depths:
+            context = rng.integers(0, engine.info.vocab_size, depth).tolist()
+            at = f" @ d{depth}" if depth else ""
+            for n in prompt_sizes:
+                tokens = rng.integers(0, engine.info.vocab_size, n).tolist()
+                for _ in range(warmup):
+                    time_prefill(engine, context, tokens)
+                seconds = [time_prefill(engine, context, tokens) for _ in range(repetitions)]
+                results.append(BenchResult(f"pp{n}{at}", n, seconds))
+            for n in gen_sizes:
+                first = rng.integers(0, engine.info.vocab_size, batch).tolist()
+                for _ in range(warmup):
+                    time_decode(engine, context, n, first)
+                seconds = [time_decode(engine, context, n, first) for _ in range(repetitions)]
+                name = f"tg{n}{' x' + str(batch) if batch > 1 else ''}{at}"
+                results.append(BenchResult(name, n * batch, seconds))
     finally:
         engine.close()
     return results
@@ -85,8 +108,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from basert.cli.generate import model_path_for
 
     path = model_path_for(args.model)
+    if min(args.depth) < 0 or args.batch < 1:
+        print("error: -d needs depths >= 0 and -b a batch >= 1", file=sys.stderr)
+        return 2
     results = run_bench(path, args.n_prompt, args.n_gen, args.repetitions, args.warmup, args.threads,
-                        args.kv_bits)
+                        args.kv_bits, tuple(args.depth), args.batch)
     print(markdown_table(path.parent.parent.name if path.name == "model.base" else path.name,
                          path.stat().st_size, results))
     return 0
@@ -100,6 +126,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", help="a .base file or installed model id (default: smollm2)")
     p.add_argument("-p", "--n-prompt", type=int, nargs="+", default=[512], help="prompt sizes (default 512)")
     p.add_argument("-n", "--n-gen", type=int, nargs="+", default=[128], help="generation lengths (default 128)")
+    p.add_argument("-d", "--depth", type=int, nargs="+", default=[0], metavar="N",
+                   help="run each test after N tokens of context (default 0); test names get ' @ dN'")
+    p.add_argument("-b", "--batch", type=int, default=1, metavar="N",
+                   help="tgN decodes N sequences together in one batched forward per step; the rate counts "
+                   "every sequence's tokens (default 1)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="measured runs per test (default 5)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="unmeasured runs first (default 1)")
     p.add_argument("-t", "--threads", type=int, help="engine threads (default: all cores)")

@@ -1,0 +1,96 @@
+"""Decode against the memory floor: how close tgN comes to reading every weight once per token at the
+machine's read bandwidth.
+
+    python tools/bench_floor.py [MODEL] [--threads N] [-n 128] [--repetitions 3] [--json bench_floor.json]
+
+1. Read bandwidth: `threads` Python threads (the engine's count) each sum their slice of a 1 GiB float32
+   buffer with numpy (which releases the GIL in reductions), repeated; the best pass counts.
+2. Bytes per token: every tensor of the .base file is read once per decoded token, except the embedding
+   table when the head has its own matrix (a lookup reads one row). The KV cache adds 2 x layers x kv dim x
+   2 bytes per position of context: small at the depths of tgN and left out.
+3. floor tok/s = bandwidth / bytes per token; tgN is measured with `basert bench`'s decode loop in the same
+   run, and printed as a share of the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from basert.cli.bench import run_bench
+from basert.cli.generate import model_path_for
+from basert.engine.runner import default_threads
+from basert.format import open_base
+
+BUFFER_BYTES = 1 << 30
+
+
+def read_bandwidth(threads: int, passes: int = 5) -> float:
+    """Bytes per second that `threads` threads read, summing disjoint slices of one buffer (best of `passes`)."""
+    data = np.ones(BUFFER_BYTES // 4, dtype=np.float32)
+    slices = np.array_split(data, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, slices))   # first touch and thread start-up are not measured
+        for _ in range(passes):
+            started = time.perf_counter()
+            list(pool.map(np.sum, slices))
+            best = max(best, data.nbytes / (time.perf_counter() - started))
+    return best
+
+
+def bytes_per_token(path: Path) -> int:
+    """Bytes of the tensors one decode step reads: all of them but an embedding table with a separate head."""
+    with open_base(path) as base:
+        tensors = base.tensors
+        skipped = "embed_tokens.weight" if "lm_head.weight" in tensors else None
+        return sum(info.length for name, info in tensors.items() if name != skipped)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", help=".base file or installed model id (default: smollm2)")
+    parser.add_argument("--threads", "-t", type=int, default=None, help="engine threads (default: the engine's)")
+    parser.add_argument("-n", "--n-gen", type=int, default=128, help="tokens decoded per run (default 128)")
+    parser.add_argument("--repetitions", "-r", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=Path("bench_floor.json"), help="where to write the JSON")
+    args = parser.parse_args()
+
+    path = model_path_for(args.model)
+    threads = args.threads or default_threads()
+    bandwidth = read_bandwidth(threads)
+    per_token = bytes_per_token(path)
+    floor = bandwidth / per_token
+    [tg] = run_bench(path, [], [args.n_gen], args.repetitions, 1, args.threads)
+    share = tg.mean / floor
+    print(f"| CPU | threads | read GB/s | MB per token | floor tok/s | tg{args.n_gen} tok/s | share of floor |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {cpu_model()} | {threads} | {bandwidth / 1e9:.1f} | {per_token / 1e6:.1f} | {floor:.0f} | "
+          f"{tg.mean:.1f} ± {tg.stdev:.1f} | {share:.0%} |")
+    report = {"cpu": cpu_model(), "threads": threads, "model": str(path), "read_bytes_per_second": bandwidth,
+              "bytes_per_token": per_token, "floor_tokens_per_second": floor,
+              "tg_tokens_per_second": tg.rates, "share_of_floor": share}
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
