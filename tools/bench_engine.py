@@ -29,7 +29,8 @@ from basert.cli.generate import model_path_for
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", help=".base file or installed model id (default: smollm2)")
-    parser.add_argument("--threads", "-t", type=int, default=None, help="engine threads (default: all cores)")
+    parser.add_argument("--threads", "-t", type=int, default=None,
+                        help="engine threads (default: one per physical core)")
     parser.add_argument("--repetitions", "-r", type=int, default=3)
     parser.add_argument("--warmup", "-w", type=int, default=1)
     parser.add_argument("--kv-bits", type=int, choices=(16, 32), default=16)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from basert.cli.bench import run_bench
+from basert.cli.bench import cpu_model, run_bench
 from basert.cli.generate import model_path_for
 from basert.engine.runner import default_threads
 from basert.format import open_base
@@ -52,16 +51,6 @@ def bytes_per_token(path: Path) -> int:
         tensors = base.tensors
         skipped = "embed_tokens.weight" if "lm_head.weight" in tensors else None
         return sum(info.length for name, info in tensors.items() if name != skipped)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> int:

@@ -438,7 +438,8 @@ def parse_args() -> argparse.Namespace:
     names = sorted({c.name for c in CONFIGS})
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", "-m", help=".base file or installed model id (default: smollm2)")
-    parser.add_argument("--threads", "-t", type=int, default=None, help="server threads (default: all cores)")
+    parser.add_argument("--threads", "-t", type=int, default=None,
+                        help="server threads (default: one per physical core)")
     parser.add_argument("--parts", default="a,b,c", help="comma-separated subset of a,b,c (c needs a or b)")
     parser.add_argument("--configs", default=",".join(names), help=f"comma-separated subset of {','.join(names)}")
     parser.add_argument("--prefix-tokens", type=int, default=4000, help="shared prefix length for (a)")

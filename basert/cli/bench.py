@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import sys
 import time
@@ -96,6 +97,17 @@ def run_bench(path: Path, prompt_sizes: list[int], gen_sizes: list[int], repetit
     return results
 
 
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def markdown_table(model_name: str, size_bytes: int, results: list[BenchResult]) -> str:
     size = f"{size_bytes / 2**20:.2f} MiB"
     lines = ["| model | size | test | t/s |", "| --- | ---: | ---: | ---: |"]
@@ -106,6 +118,7 @@ def markdown_table(model_name: str, size_bytes: int, results: list[BenchResult])
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from basert.cli.generate import model_path_for
+    from basert.engine.runner import default_threads
 
     path = model_path_for(args.model)
     if min(args.depth) < 0 or args.batch < 1:
@@ -113,6 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     results = run_bench(path, args.n_prompt, args.n_gen, args.repetitions, args.warmup, args.threads,
                         args.kv_bits, tuple(args.depth), args.batch)
+    print(f"{cpu_model()}, {args.threads or default_threads()} threads", file=sys.stderr)
     print(markdown_table(path.parent.parent.name if path.name == "model.base" else path.name,
                          path.stat().st_size, results))
     return 0
@@ -133,6 +147,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "every sequence's tokens (default 1)")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="measured runs per test (default 5)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="unmeasured runs first (default 1)")
-    p.add_argument("-t", "--threads", type=int, help="engine threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, help="engine threads (default: one per physical core)")
     p.add_argument("--kv-bits", type=int, choices=(16, 32), default=16, help="KV element width (default 16)")
     p.set_defaults(func=cmd_bench)

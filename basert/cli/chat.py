@@ -222,7 +222,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-context", "--ctx-size", "-c", type=int, default=4096, metavar="N",
                    help="context window in tokens (default 4096): the system prompt, the history and the "
                    "reply must fit; /clear when it is full")
-    p.add_argument("--threads", "-t", type=int, metavar="N", help="engine threads (default: all cores)")
+    p.add_argument("--threads", "-t", type=int, metavar="N", help="engine threads (default: one per physical core)")
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="use this Jinja chat template instead of the model's own")
     p.set_defaults(func=cmd_chat)

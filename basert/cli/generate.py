@@ -73,5 +73,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="llama.cpp-style repetition penalty")
     p.add_argument("--seed", type=int, help="random seed for reproducible sampling")
     p.add_argument("--max-context", type=int, default=4096, help="context window (default 4096)")
-    p.add_argument("--threads", "-t", type=int, help="engine threads (default: all cores)")
+    p.add_argument("--threads", "-t", type=int, help="engine threads (default: one per physical core)")
     p.set_defaults(func=cmd_complete)

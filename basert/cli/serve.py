@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", "--ctx-size", "-c", type=int, default=4096,
                    help="context window per slot (default 4096; -c/--ctx-size as in llama.cpp)")
     p.add_argument("--max-tokens", type=int, default=2048, help="default max_tokens (default 2048)")
-    p.add_argument("--threads", "-t", type=int, help="engine threads (default: all cores)")
+    p.add_argument("--threads", "-t", type=int, help="engine threads (default: one per physical core)")
     p.add_argument("--kv-bits", type=int, choices=(16, 32), default=16, help="KV element width (default 16)")
     p.add_argument("--paged-kv", action="store_true",
                    help="one shared KV block pool, blocks allocated on demand (implied by continuous batching "

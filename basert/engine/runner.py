@@ -67,7 +67,18 @@ def model_fingerprint(path: Path) -> str:
 
 
 def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """One thread per physical core this process may run on (as llama.cpp counts): SMT siblings share a core's
+    vector units and memory bandwidth, and a second thread on them only adds synchronisation."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            cores.add((package, (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))   # no topology: count the logical CPU
+    return max(len(cores), 1)
 
 
 class ModelRunner:
