@@ -15,6 +15,11 @@ from basert.testing.pool import ServerPool
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import fuzz_server
 
+# Routes beside OpenAI's chat and completions: the subset reaches each of them.
+NEWER_ROUTES = {"POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses", "GET /v1/responses/{id}",
+                "DELETE /v1/responses/{id}", "POST /v1/embeddings", "POST /completion", "POST /completions",
+                "GET /props", "POST /props", "POST /apply-template", "POST /v1/chat/completions/input_tokens"}
+
 
 @pytest.fixture(scope="module")
 def server(smollm2_base: Path, server_pool: ServerPool) -> ServerProcess:
@@ -29,6 +34,7 @@ def test_fuzz_subset_no_5xx_hang_or_bad_envelope(server: ServerProcess):
     report = io.StringIO()
     fuzz_server.print_report(result, examples=3, out=report)
     assert result["sent"] >= 300, report.getvalue()
+    assert NEWER_ROUTES <= set(result["endpoints"]), report.getvalue()
     # A generation that is slow only because a busy machine is slow is not a hang; one never answered is.
     counts = {**result["counts"], "hang": result["counts"]["hang"] - result["hangs_answered_late"]}
     failures = {kind: n for kind, n in counts.items() if n and kind != "health"}
@@ -71,3 +77,41 @@ def test_checks_flag_what_a_client_cannot_use():
         state = fuzz_server.RunState()
         fuzz_server.check(probe, outcome, state)
         assert {p.kind for p in state.problems} == kinds, (outcome, state.problems)
+
+
+def test_checks_hold_each_route_to_its_own_error_envelope():
+    openai = b'{"error": {"message": "m", "type": "invalid_request_error", "param": null, "code": null}}'
+    anthropic = b'{"type": "error", "error": {"type": "invalid_request_error", "message": "m"}}'
+    json_type = {"content-type": "application/json"}
+    messages = fuzz_server.Probe(0, "POST /v1/messages", "POST", "/v1/messages")
+    chat = fuzz_server.Probe(0, "POST /v1/chat/completions", "POST", "/v1/chat/completions")
+    cases = [
+        (messages, anthropic, set()), (messages, openai, {"envelope"}), (chat, anthropic, {"envelope"}),
+        (chat, openai, set()),
+        (messages, b'{"type": "error", "error": {"type": "invalid_request_error", "message": "m", "param": null}}',
+         {"envelope"}),
+        (messages, b'{"type": "error", "error": {"type": "bad_request", "message": "m"}}', {"envelope"}),
+        (messages, b'{"type": "error", "error": {"type": "api_error", "message": 5}}', {"envelope"}),
+        (messages, b'{"type": "error", "error": {"type": "api_error", "message": "m"}, "x": NaN}', {"envelope"}),
+    ]
+    for probe, body, kinds in cases:
+        state = fuzz_server.RunState()
+        fuzz_server.check(probe, fuzz_server.Outcome(400, json_type, body, 0.1), state)
+        assert {p.kind for p in state.problems} == kinds, (probe.endpoint, body, state.problems)
+
+
+def test_checks_find_server_faults_in_each_stream_shape():
+    stream = {"content-type": "text/event-stream"}
+    faults = [
+        b'data: {"error": {"message": "m", "type": "server_error", "param": null, "code": "internal_error"}}\n\n',
+        b'event: error\ndata: {"type": "error", "error": {"type": "api_error", "message": "m"}}\n\n',
+        b'event: error\ndata: {"type": "error", "code": "server_error", "message": "m", "param": null}\n\n',
+        b'event: response.failed\ndata: {"type": "response.failed", "response": {"error": {"code": '
+        b'"server_error"}}}\n\n',
+    ]
+    fine = b'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error", "message": "m"}}\n\n'
+    probe = fuzz_server.Probe(0, "POST /v1/messages", "POST", "/v1/messages")
+    for body, kinds in [(fault, {"stream_error"}) for fault in faults] + [(fine, set())]:
+        state = fuzz_server.RunState()
+        fuzz_server.check(probe, fuzz_server.Outcome(200, stream, body, 0.1), state)
+        assert {p.kind for p in state.problems} == kinds, (body, state.problems)

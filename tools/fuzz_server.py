@@ -4,6 +4,12 @@
     python tools/fuzz_server.py --model model.base --serve-args "--continuous-batching 4 --prefix-cache"
     python tools/fuzz_server.py --url URL --seed 7 --only 1234         # replay one request of a run
 
+Routes: OpenAI's (chat, completions, models, tokenize, detokenize, files, embeddings, responses with GET/DELETE
+of a stored one), Anthropic's /v1/messages and its count_tokens, llama.cpp's (/completion[s], /props,
+/apply-template, [/v1]/chat/completions/input_tokens), /slots, /health and /metrics. Generations stay short: a
+budget (max_tokens, n_predict, max_output_tokens) of at most 8, unless a mutation chose it (then streamed and
+dropped after two events).
+
 Requests: bodies drawn from the pydantic request schemas (`model_json_schema()` turned into hypothesis
 strategies by hypothesis-jsonschema, a pool per schema drawn with a fixed hypothesis seed) and then mutated
 with a `random.Random(seed)`: wrong types, missing fields, huge and negative numbers, NaN/Infinity literals,
@@ -15,8 +21,10 @@ A fixed list of hand-written hostile cases (some sent as raw bytes over TCP) is 
 
 Checks, per response: status < 500 except 503 (with Retry-After when the code is server_busy), 507, and the
 documented 501 not_supported; every error body is the OpenAI envelope {"error": {"message", "type", "param",
-"code"}} as strict JSON (no NaN, no lone surrogates) with no traceback or source path in it; 2xx JSON bodies
-and SSE events are strict JSON and no stream carries a server_error event; nothing takes longer than
+"code"}} (on the Anthropic routes exactly Anthropic's {"type": "error", "error": {"type", "message"}}) as strict
+JSON (no NaN, no lone surrogates) with no traceback or source path in it; 2xx JSON bodies and SSE events are
+strict JSON and no stream reports a server fault (OpenAI's server_error, Anthropic's api_error, the Responses
+API's error or response.failed with code server_error); nothing takes longer than
 --timeout; after an error response the same keep-alive connection still answers. Throughout: /health answers
 200 within 1 s (polled every 0.5 s). At the end: the server is alive and no slot is left processing.
 Prints a table and the first offending requests; exits 1 on any failure. --json FILE writes the results.
@@ -51,6 +59,12 @@ from basert.testing.launcher import ServerProcess
 FAILURE_KINDS = ("5xx", "hang", "envelope", "leak", "bad_json", "stream_error", "retry_after", "no_response",
                  "keepalive", "health", "busy_slot", "dead")
 FILE_ID = "@FILE_ID@"              # replaced at send time by the id of a file this run uploaded
+RESPONSE_ID = "@RESPONSE_ID@"      # replaced at send time by the id of a response this run stored
+# Routes that answer errors in Anthropic's envelope {"type": "error", "error": {"type", "message"}}.
+ANTHROPIC_ENDPOINTS = frozenset({"POST /v1/messages", "POST /v1/messages/count_tokens"})
+ANTHROPIC_ERROR_TYPES = frozenset({"invalid_request_error", "authentication_error", "permission_error",
+                                   "not_found_error", "request_too_large", "rate_limit_error", "api_error",
+                                   "overloaded_error", "timeout_error"})
 HEALTH_LIMIT_S = 1.0
 LATE_FACTOR = 3                    # a hang is waited for this many timeouts, to see whether it answers late
 FREEZE_AFTER_S = 15.0              # /health silent this long: the server is frozen, stop sending
@@ -202,6 +216,27 @@ def schema_pool(model: type, count: int, seed: int) -> list[dict]:
     return drawn or [{}]
 
 
+FREE_FORM_FIELDS = {"input_schema": {"type": "object"}, "parameters": {"type": "object"}, "schema": {"type": "object"},
+                    "input": {}}
+
+
+def compact_free_form(node: Any, limit: int = 300) -> Any:
+    """`node` with the free-form objects (tool schemas, tool inputs) hypothesis drew larger than `limit` characters
+    of JSON replaced by small ones: rendered into a prompt they would make thousands of tokens of prefill, which
+    holds every other generation up (a slow server, not a faulty one)."""
+    if isinstance(node, list):
+        return [compact_free_form(v, limit) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in FREE_FORM_FIELDS and isinstance(value, dict) and len(json.dumps(value)) > limit:
+            out[key] = copy.deepcopy(FREE_FORM_FIELDS[key])
+        else:
+            out[key] = compact_free_form(value, limit)
+    return out
+
+
 # --- value zoos ---------------------------------------------------------------------------------
 
 WRONG_TYPES: list[Any] = [None, True, False, 0, -1, 1.5, "", "x", "null", [], [1], ["a"], {}, {"a": 1}, [[[]]]]
@@ -255,6 +290,71 @@ RESPONSE_FORMATS: list[Any] = [
     {"type": "json_schema", "json_schema": {"schema": "string"}}, {"type": "json_schema", "json_schema": None},
     {"type": "json_schema", "json_schema": {"schema": {"enum": []}}}, [], "json",
 ]
+ANTHROPIC_TURNS: list[Any] = [
+    [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
+    [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}],
+    [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "x", "is_error": True}]}],
+    [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [{"type": "image"}]}],
+    [{"role": "user", "content": [{"type": "text", "text": "a"}] * 300}], [{"role": "system", "content": "x"}],
+    [{"role": "assistant", "content": [{"type": "tool_use", "id": "", "name": "f", "input": []}]}],
+    [{"role": "assistant", "content": [{"type": "thinking"}]}], [{"role": "user", "content": None}], [], [None],
+    [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": 5}]}], [{"content": "x"}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hm", "signature": "s"},
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": nested(60, "dict")}}]},
+     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+         {"type": "text", "text": "r"}]}]}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+]
+ANTHROPIC_TOOLS: list[Any] = [
+    [{"name": "", "input_schema": {}}], [{"name": "n" * 129, "input_schema": {}}],
+    [{"name": "f g", "input_schema": {}}],
+    [{"name": "f"}], [{"name": "f", "input_schema": 5}], [{"type": "web_search_20250305", "name": "web_search"}],
+    [{"name": "f", "input_schema": {"type": "object", "properties": {"x": {"$ref": "#/nope"}}}}],
+    [{"name": "f", "input_schema": {"type": "string", "pattern": "("}}], [{"name": "f", "input_schema": {"$ref": "#"}}],
+    [{"name": "f", "input_schema": {"type": "object"}}] * 2, [None], {}, "f",
+    [{"name": "f", "input_schema": {"type": "integer", "minimum": Raw("1e999")}}],
+]
+ANTHROPIC_TOOL_CHOICES: list[Any] = [
+    {"type": "tool"}, {"type": "tool", "name": "missing"}, {"type": "any"}, {"type": "none"}, {"type": "auto"},
+    {"type": "required"}, "any", 5, None, [], {"type": "any", "disable_parallel_tool_use": "yes"}, {"name": "f"},
+]
+RESPONSE_ITEMS: list[Any] = [
+    [], "", [None], [{"role": "tool", "content": "x"}], [{"type": "unknown"}], [{"role": "user"}],
+    [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,x"}]}],
+    [{"role": "user", "content": [{"type": "input_text"}]}], [{"type": "function_call_output", "call_id": "nope",
+                                                              "output": "x"}],
+    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{not json"}],
+    [{"type": "function_call", "call_id": "", "name": "", "arguments": 5}], [{"type": "reasoning", "content": 5}],
+    [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]}, {"role": "user", "content": "q"}],
+    [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+     {"type": "function_call_output", "call_id": "c1", "output": [{"type": "output_text", "text": "r"}]}],
+    [{"role": "assistant", "content": "Hel"}], [{"role": "user", "content": "a"}] * 300,
+]
+TEXT_FORMATS: list[Any] = [
+    {"type": "json_schema"}, {"type": "xml"}, {"type": "json_object"}, {"type": "text"}, None, "json",
+    {"type": "json_schema", "name": "x", "schema": {"type": "string", "pattern": "(a+)+$"}},
+    {"type": "json_schema", "name": "x", "schema": {"$ref": "#/definitions/x"}},
+    {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#"}}}},
+    {"type": "json_schema", "name": "x", "schema": {"type": "array", "minItems": 100000}},
+    {"type": "json_schema", "name": "x", "schema": {"type": "integer", "minimum": 10, "maximum": 1}},
+    {"type": "json_schema", "schema": "string"}, {"type": "json_schema", "schema": {"enum": []}},
+]
+RESPONSE_TOOLS: list[Any] = [
+    [{"type": "function", "name": ""}], [{"type": "function", "name": "n" * 129}], [{"type": "web_search"}],
+    [{"type": "function", "function": {"name": "f"}}], [{"type": "function", "name": "f", "parameters": 5}],
+    [{"type": "function", "name": "f", "parameters": {"type": "string", "pattern": "("}}],
+    [{"type": "function", "name": "f", "parameters": {"$ref": "#"}}], [None], {}, "f",
+    [{"type": "function", "name": "f\x00g"}],
+]
+LLAMA_PROMPTS: list[Any] = [
+    [], [[]], [""], "", [12, "text", 34], [[1, "a"], [2]], [-1], [10**9], [2**63], [[1, [2]]], [1.5], [True],
+    [None], [[12, "a"], "b", 3], ["a"] * 64, [[1]] * 64, {"prompt": "x"}, [{"type": "text"}],
+]
+LLAMA_LOGIT_BIAS: list[Any] = [
+    [[1, False]], [["hello", -100]], [[1]], [[1, 2, 3]], {"x": True}, [[Raw('"\\ud800"'), 1]], [["", 5]],
+    {"hello": 101}, [[10**9, 1]], [[-1, 1]], [[1, Raw("NaN")]], {"1": False}, [[None, 1]], [5], "x",
+]
 IDS: list[str] = [
     "0", "1", "-1", "99", "-5", "٣", "①", "²", "1e3", "0x1", "%201", "1%20", "%00", "0%00", "%2e%2e",
     "..%2f..%2fetc%2fpasswd", "%2fetc%2fpasswd", "a" * 5000, "%ff%fe", "%ed%a0%80", "file-" + "0" * 24,
@@ -276,12 +376,16 @@ AUTH_HEADERS: list[tuple[str, str | bytes]] = [
     ("Authorization", b"Bearer \xc3\xa9"), ("Authorization", "Token abc"),
 ]
 UNKNOWN_ROUTES: list[tuple[str, str]] = [
-    ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("POST", "/v1/batches"), ("GET", "/v1/batches/x"),
-    ("POST", "/v1/audio/transcriptions"), ("POST", "/v2/chat/completions"), ("POST", "/v1/chat/completions/"),
-    ("GET", "//v1//models"), ("GET", "/V1/MODELS"), ("GET", "/"), ("GET", "/favicon.ico"), ("GET", "/.env"),
+    ("POST", "/v1/batches"), ("GET", "/v1/batches/x"), ("POST", "/v1/audio/transcriptions"),
+    ("POST", "/v2/chat/completions"), ("POST", "/v1/chat/completions/"), ("GET", "//v1//models"),
+    ("GET", "/V1/MODELS"), ("GET", "/"), ("GET", "/favicon.ico"), ("GET", "/.env"),
     ("GET", "/%2e%2e/%2e%2e/etc/passwd"), ("POST", "/v1/chat/completions%00"), ("GET", "/slots/"),
-    ("GET", "/v1/" + "a" * 3000), ("POST", "/completion"), ("POST", "/v1/completions/x"), ("GET", "/health/x"),
+    ("GET", "/v1/" + "a" * 3000), ("POST", "/v1/completions/x"), ("GET", "/health/x"),
     ("PUT", "/v1/files/x/content"), ("GET", "/metrics/"), ("POST", "/slots/0/save/x"),
+    ("POST", "/v1/messages/batches"), ("POST", "/v1/messages/"), ("POST", "/v1/messages/x/count_tokens"),
+    ("GET", "/v1/responses/x/input_items"), ("POST", "/v1/responses/x/cancel"),
+    ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/v1/rerank"), ("GET", "/props/x"),
+    ("POST", "/v1/apply-template"), ("POST", "/v1/completion"), ("POST", "/v1/embeddings/x"),
 ]
 KNOWN_PATHS: list[tuple[str, str]] = [
     ("/v1/chat/completions", "/v1/chat/completions"), ("/v1/completions", "/v1/completions"),
@@ -290,7 +394,14 @@ KNOWN_PATHS: list[tuple[str, str]] = [
     ("/health", "/health"), ("/metrics", "/metrics"), ("/slots", "/slots"), ("/slots/{id}/save", "/slots/0/save"),
     ("/slots/{id}/restore", "/slots/0/restore"), ("/slots/{id}/erase", "/slots/0/erase"),
     ("/slots/{id}", "/slots/0"), ("/v1/files", "/v1/files"), ("/v1/files/{id}", "/v1/files/" + FILE_ID),
-    ("/v1/files/{id}/content", f"/v1/files/{FILE_ID}/content"),
+    ("/v1/files/{id}/content", f"/v1/files/{FILE_ID}/content"), ("/chat/completions", "/chat/completions"),
+    ("/models", "/models"), ("/v1/messages", "/v1/messages"),
+    ("/v1/messages/count_tokens", "/v1/messages/count_tokens"),
+    ("/v1/responses", "/v1/responses"), ("/v1/responses/{id}", "/v1/responses/" + RESPONSE_ID),
+    ("/v1/embeddings", "/v1/embeddings"), ("/embeddings", "/embeddings"), ("/completion", "/completion"),
+    ("/completions", "/completions"), ("/props", "/props"), ("/apply-template", "/apply-template"),
+    ("/v1/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"),
+    ("/chat/completions/input_tokens", "/chat/completions/input_tokens"),
 ]
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD", "TRACE", "PROPFIND", "FOO"]
 PROMPTS = ["Hi", "The capital of France is", "1, 2, 3,", "Once upon a time", "def f(x):", "¿Qué?", "こんにちは"]
@@ -347,6 +458,37 @@ STRING_PATHS = [("model",), ("messages", 0, "content"), ("messages", 0, "name"),
                 ("stop",), ("stop", 0), ("tools", 0, "function", "name"), ("messages", 0, "content", 0, "text"),
                 ("prompt",), ("prompt", 0), ("content",), ("filename",), ("file_id",),
                 ("messages", 0, "reasoning_content"), ("messages", 0, "tool_call_id")]
+LLAMA_PATHS = SAMPLING_PATHS + [("prompt",), ("prompt", 0), ("prompt", 0, 0), ("n_predict",), ("n_probs",),
+                                ("cache_prompt",), ("return_tokens",), ("response_fields",), ("grammar",),
+                                ("json_schema",), ("logit_bias", 0)]
+MESSAGES_PATHS = [("model",), ("max_tokens",), ("messages",), ("messages", 0), ("messages", 0, "role"),
+                  ("messages", 0, "content"), ("messages", 0, "content", 0), ("messages", 0, "content", 0, "type"),
+                  ("messages", 0, "content", 0, "text"), ("system",), ("system", 0, "text"), ("tools",),
+                  ("tools", 0, "name"), ("tools", 0, "input_schema"), ("tool_choice",), ("tool_choice", "type"),
+                  ("tool_choice", "name"), ("thinking",), ("thinking", "budget_tokens"), ("stop_sequences",),
+                  ("temperature",), ("top_p",), ("top_k",), ("stream",), ("metadata",)]
+MESSAGES_STRINGS = [("messages", 0, "content"), ("messages", 0, "content", 0, "text"), ("system",), ("model",),
+                    ("tools", 0, "name"), ("tool_choice", "name"), ("stop_sequences", 0),
+                    ("messages", 0, "content", 0, "id"), ("messages", 0, "content", 0, "tool_use_id")]
+RESPONSES_PATHS = [("model",), ("input",), ("input", 0), ("input", 0, "role"), ("input", 0, "content"),
+                   ("input", 0, "content", 0, "text"), ("input", 0, "type"), ("input", 0, "call_id"),
+                   ("input", 0, "output"), ("instructions",), ("tools",), ("tools", 0, "name"),
+                   ("tools", 0, "parameters"), ("tool_choice",), ("parallel_tool_calls",), ("max_output_tokens",),
+                   ("temperature",), ("top_p",), ("text",), ("text", "format"), ("text", "format", "type"),
+                   ("text", "format", "schema"), ("reasoning",), ("reasoning", "effort"), ("previous_response_id",),
+                   ("store",), ("stream",), ("metadata",), ("user",)]
+RESPONSES_STRINGS = [("input",), ("input", 0, "content"), ("input", 0, "content", 0, "text"), ("instructions",),
+                     ("model",), ("tools", 0, "name"), ("previous_response_id",), ("user",), ("input", 0, "call_id"),
+                     ("text", "format", "name")]
+EMBEDDING_PATHS = [("model",), ("input",), ("input", 0), ("input", 0, 0), ("encoding_format",), ("dimensions",)]
+EMBEDDING_STRINGS = [("input",), ("input", 0), ("model",), ("encoding_format",)]
+
+
+# The fields that bound a generation, per family: the one the server reads first first; the last is set.
+BUDGET_FIELDS: dict[str, tuple[str, ...]] = {
+    "chat": ("max_completion_tokens", "max_tokens"), "completion": ("max_tokens",),
+    "llama": ("max_tokens", "n_predict"), "messages": ("max_tokens",), "responses": ("max_output_tokens",),
+}
 
 
 class ProbeFactory:
@@ -354,6 +496,9 @@ class ProbeFactory:
 
     def __init__(self, target: Target, seed: int, requests: int):
         from basert.server import schemas
+        from basert.server.anthropic_schemas import MessagesRequest
+        from basert.server.responses_schemas import ResponsesRequest
+        from basert.server.routes.embeddings import EmbeddingRequest
 
         self.target = target
         self.seed = seed
@@ -365,6 +510,12 @@ class ProbeFactory:
             "tokenize": schema_pool(schemas.TokenizeRequest, 12, seed),
             "detokenize": schema_pool(schemas.DetokenizeRequest, 12, seed),
             "slot_file": schema_pool(schemas.SlotFileRequest, 12, seed),
+            "llama": schema_pool(schemas.LlamaCompletionRequest, max(8, pool_size // 2), seed),
+            # hypothesis-jsonschema is slow on this schema (~0.5 s a body): a smaller pool, which count_tokens
+            # shares (a /v1/messages body is a count_tokens body with extra fields); mutation adds the variety.
+            "messages": compact_free_form(schema_pool(MessagesRequest, max(4, pool_size // 4), seed)),
+            "responses": compact_free_form(schema_pool(ResponsesRequest, max(8, pool_size // 2), seed)),
+            "embeddings": schema_pool(EmbeddingRequest, 12, seed),
         }
 
     # The run: generated probes with the fixed hostile ones spread among them.
@@ -372,12 +523,14 @@ class ProbeFactory:
         hostile = self.hostile()
         generated = max(requests - len(hostile), requests // 3)
         kinds = [("chat", 30), ("completion", 15), ("tokenize", 8), ("detokenize", 5), ("models", 4),
-                 ("slots", 10), ("files", 10), ("routes", 8), ("health", 2)]
+                 ("slots", 10), ("files", 10), ("routes", 8), ("health", 2), ("messages", 10), ("responses", 9),
+                 ("embeddings", 5), ("llama", 9)]
         names, weights = zip(*kinds)
         builders: dict[str, Callable[[random.Random], Probe]] = {
             "chat": self.chat, "completion": self.completion, "tokenize": self.tokenize,
             "detokenize": self.detokenize, "models": self.models, "slots": self.slots, "files": self.files,
-            "routes": self.routes, "health": self.health,
+            "routes": self.routes, "health": self.health, "messages": self.messages, "responses": self.responses,
+            "embeddings": self.embeddings, "llama": self.llama,
         }
         probes = []
         for i in range(generated):
@@ -391,7 +544,10 @@ class ProbeFactory:
         return probes
 
     # --- mutations of a JSON body ----
-    def mutate(self, rng: random.Random, body: dict, paths: list[tuple]) -> tuple[Any, list[str]]:
+    def mutate(self, rng: random.Random, body: dict, paths: list[tuple], strings: list[tuple] = STRING_PATHS,
+               special: Callable[[random.Random, Any], tuple[Any, str]] | None = None) -> tuple[Any, list[str]]:
+        """Damage `body` at one to three of `paths` (`strings`: where a hostile string goes; `special`: the
+        family's targeted values, the chat ones by default)."""
         notes: list[str] = []
         if rng.random() < 0.1:
             return body, notes
@@ -410,7 +566,7 @@ class ProbeFactory:
                 body = set_path(body, path, rng.choice(EXTREME_NUMBERS))
                 notes.append(f"extreme:{name}")
             elif kind == "hostile_string":
-                body = set_path(body, rng.choice(STRING_PATHS), rng.choice(HOSTILE_STRINGS))
+                body = set_path(body, rng.choice(strings), rng.choice(HOSTILE_STRINGS))
                 notes.append("hostile_string")
             elif kind == "deep":
                 depth = rng.choice((64, 1000, 10_000, 100_000))
@@ -426,7 +582,7 @@ class ProbeFactory:
                 notes.append("top_level")
                 break
             else:
-                body, note = self.special(rng, body)
+                body, note = (special or self.special)(rng, body)
                 notes.append(note)
         return body, notes
 
@@ -462,20 +618,22 @@ class ProbeFactory:
             return set_path(body, ("stop",), copy.deepcopy(value)), choice
         return set_path(body, ("seed",), rng.choice([2**64, -(2**63) - 1, 10**30, -1, 1.5, Raw("NaN")])), choice
 
-    def bound_generation(self, rng: random.Random, body: Any, probe: Probe) -> None:
-        """Keep a generation cheap: max_tokens <= 8 and n <= 2 unless a mutation chose them; a budget the
-        mutation chose that is not a small integer is read as a stream and dropped after two events."""
+    def bound_generation(self, rng: random.Random, body: Any, probe: Probe, budget_fields: tuple[str, ...]) -> None:
+        """Keep a generation cheap: its token budget <= 8 and n <= 2 unless a mutation chose them; a budget the
+        mutation chose that is not a small integer is read as a stream and dropped after two events.
+        `budget_fields`: the fields that bound the generation, the one the server reads first first."""
         if not isinstance(body, dict):
             return
         words = probe.tag.split()
-        if re.search(r"max_(completion_)?tokens", probe.tag):
-            budget = body.get("max_completion_tokens", body.get("max_tokens"))
+        if any(re.search(rf"(?<!\w){name}(?!\w)", probe.tag) for name in budget_fields):
+            budget = next((body[name] for name in budget_fields if name in body), None)
             if type(budget) is not int or not 1 <= budget <= 8:
                 body["stream"] = True
                 probe.disconnect_after = 2
         else:
-            body["max_tokens"] = rng.randint(1, 8)
-            body.pop("max_completion_tokens", None)
+            body[budget_fields[-1]] = rng.randint(1, 8)
+            for name in budget_fields[:-1]:
+                body.pop(name, None)
         n = body.get("n")
         if type(n) is int and 2 < n <= 8 and not any(w == "n" or w.endswith(":n") for w in words):
             body["n"] = 2
@@ -489,8 +647,8 @@ class ProbeFactory:
                    family: str) -> Probe:
         probe = Probe(0, endpoint, "POST", path, headers={"Content-Type": "application/json"},
                       tag=f"{family} " + " ".join(notes))
-        if family in ("chat", "completion"):
-            self.bound_generation(rng, body, probe)
+        if family in BUDGET_FIELDS:
+            self.bound_generation(rng, body, probe, BUDGET_FIELDS[family])
         probe.body = encode_json(body)
         self.mutate_bytes(rng, probe)
         return probe
@@ -652,6 +810,171 @@ class ProbeFactory:
             body = bytes(rng.randrange(256) for _ in range(300))
         return Probe(0, "POST /v1/files", "POST", "/v1/files", body=body, headers=headers, tag=f"upload {kind}")
 
+    def messages(self, rng: random.Random) -> Probe:
+        """Anthropic's /v1/messages, or /v1/messages/count_tokens with the same kind of body."""
+        body = copy.deepcopy(rng.choice(self.pools["messages"]))
+        if rng.random() < 0.5:
+            body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+        if rng.random() < 0.3:
+            body["model"] = self.target.model_id
+        count = rng.random() < 0.25
+        if count and rng.random() < 0.5:
+            for name in ("max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences"):
+                body.pop(name, None)
+        body, notes = self.mutate(rng, body, MESSAGES_PATHS, MESSAGES_STRINGS, self.messages_special)
+        if count:
+            return self.json_probe(rng, "POST /v1/messages/count_tokens", "/v1/messages/count_tokens", body, notes,
+                                   "count_tokens")
+        return self.json_probe(rng, "POST /v1/messages", "/v1/messages", body, notes, "messages")
+
+    def messages_special(self, rng: random.Random, body: Any) -> tuple[Any, str]:
+        """One of the targeted hostile values of an Anthropic Messages body."""
+        choice = rng.choice(["blocks", "tools", "tool_choice", "thinking", "stop_sequences", "system", "max_tokens"])
+        if choice == "blocks":
+            return set_path(body, ("messages",), copy.deepcopy(rng.choice(ANTHROPIC_TURNS))), choice
+        if choice == "tools":
+            return set_path(body, ("tools",), copy.deepcopy(rng.choice(ANTHROPIC_TOOLS))), choice
+        if choice == "tool_choice":
+            return set_path(body, ("tool_choice",), copy.deepcopy(rng.choice(ANTHROPIC_TOOL_CHOICES))), choice
+        if choice == "thinking":
+            value = rng.choice([{"type": "enabled", "budget_tokens": -1}, {"type": "enabled"}, {"type": "x"},
+                                {"type": "enabled", "budget_tokens": 2**63}, "enabled", None, {"budget_tokens": 5}])
+            return set_path(body, ("thinking",), copy.deepcopy(value)), choice
+        if choice == "stop_sequences":
+            value = rng.choice([[], [""], ["a"] * 17, [None], "stop", ["x" * 100_000], [nested(1000)], ["\x00"]])
+            return set_path(body, ("stop_sequences",), copy.deepcopy(value)), choice
+        if choice == "system":
+            value = rng.choice([[{"type": "text"}], [{"type": "image", "source": {}}], "", [], 5, [None],
+                                [{"type": "text", "text": Raw('"\\ud800"')}], [{"type": "text", "text": "s"}] * 300])
+            return set_path(body, ("system",), copy.deepcopy(value)), choice
+        return set_path(body, ("max_tokens",), rng.choice([0, -1, 2**31, 2**63, 10**30, 1.5, "8", None])), choice
+
+    def responses(self, rng: random.Random) -> Probe:
+        """OpenAI's Responses API: create (complete or streamed), or read or delete a stored response."""
+        roll = rng.random()
+        if roll < 0.2:
+            response_id = rng.choice([RESPONSE_ID] * 20 + IDS + ["resp_" + "0" * 24])
+            method = rng.choice(["GET", "GET", "DELETE"])
+            return Probe(0, f"{method} /v1/responses/{{id}}", method, f"/v1/responses/{response_id}",
+                         tag="response_" + method.lower())
+        body = copy.deepcopy(rng.choice(self.pools["responses"]))
+        if rng.random() < 0.5:
+            prompt = rng.choice(PROMPTS)
+            body["input"] = rng.choice([prompt, [{"role": "user", "content": prompt}],
+                                        [{"type": "message", "role": "user", "content": [
+                                            {"type": "input_text", "text": prompt}]}]])
+        if rng.random() < 0.2:
+            body["previous_response_id"] = RESPONSE_ID
+        if rng.random() < 0.3:
+            body["model"] = self.target.model_id
+        body, notes = self.mutate(rng, body, RESPONSES_PATHS, RESPONSES_STRINGS, self.responses_special)
+        return self.json_probe(rng, "POST /v1/responses", "/v1/responses", body, notes, "responses")
+
+    def responses_special(self, rng: random.Random, body: Any) -> tuple[Any, str]:
+        """One of the targeted hostile values of a Responses request."""
+        choice = rng.choice(["items", "text_format", "tools", "tool_choice", "previous_response_id", "metadata",
+                             "reasoning", "max_output_tokens"])
+        if choice == "items":
+            return set_path(body, ("input",), copy.deepcopy(rng.choice(RESPONSE_ITEMS))), choice
+        if choice == "text_format":
+            return set_path(body, ("text",), {"format": copy.deepcopy(rng.choice(TEXT_FORMATS))}), choice
+        if choice == "tools":
+            return set_path(body, ("tools",), copy.deepcopy(rng.choice(RESPONSE_TOOLS))), choice
+        if choice == "tool_choice":
+            value = rng.choice(["required", "none", "any", 5, None, {"type": "function"},
+                                {"type": "function", "name": "missing"}, {"type": "file_search"}])
+            return set_path(body, ("tool_choice",), copy.deepcopy(value)), choice
+        if choice == "previous_response_id":
+            value = rng.choice([RESPONSE_ID, "resp_x", "", "\x00", "a" * 5000, None, 5, Raw('"\\ud800"')])
+            return set_path(body, ("previous_response_id",), value), choice
+        if choice == "metadata":
+            value = rng.choice([{str(i): "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 5},
+                                [], "m", {"": ""}])
+            return set_path(body, ("metadata",), copy.deepcopy(value)), choice
+        if choice == "reasoning":
+            value = rng.choice([{"effort": "high"}, {"effort": "max"}, {"summary": 5}, "high", {"effort": None}])
+            return set_path(body, ("reasoning",), copy.deepcopy(value)), choice
+        value = rng.choice([0, -1, 2**31, 2**63, 10**30, 1.5, "8", None])
+        return set_path(body, ("max_output_tokens",), value), choice
+
+    def embeddings(self, rng: random.Random) -> Probe:
+        body = copy.deepcopy(rng.choice(self.pools["embeddings"]))
+        if rng.random() < 0.5:
+            body["input"] = rng.choice(PROMPTS + [[self.target.filler_token] * 3, ["a", "b"], [[1, 2], [3]]])
+        body, notes = self.mutate(rng, body, EMBEDDING_PATHS, EMBEDDING_STRINGS, self.embeddings_special)
+        path = rng.choice(["/v1/embeddings", "/v1/embeddings", "/embeddings"])
+        return self.json_probe(rng, f"POST {path}", path, body, notes, "embeddings")
+
+    def embeddings_special(self, rng: random.Random, body: Any) -> tuple[Any, str]:
+        choice = rng.choice(["input", "input", "dimensions", "encoding_format"])
+        if choice == "input":
+            value = rng.choice(self.embedding_inputs())
+            return set_path(body, ("input",), copy.deepcopy(value)), "embedding_input"
+        if choice == "dimensions":
+            return set_path(body, ("dimensions",), rng.choice([0, -1, 1, 576, 2**63, "576", 1.5, None])), choice
+        return set_path(body, ("encoding_format",), rng.choice(["base64", "float", "", "binary", None, 5])), choice
+
+    def embedding_inputs(self) -> list[Any]:
+        """Inputs of /v1/embeddings that are empty, out of range, too long or of mixed shapes."""
+        n_ctx = self.target.n_ctx
+        return [[], [[]], [""], "", [[], [1]], [-1], [10**9], [2**63], [[1, -1]], [1, "a"], [[1], "a"], [True], [1.5],
+                [self.target.filler_token] * (n_ctx + 1), " a" * (n_ctx + 10), ["a"] * 2049, [None], nested(100),
+                [[self.target.filler_token]] * 64]
+
+    def llama(self, rng: random.Random) -> Probe:
+        """llama.cpp's routes: /completion (and /completions), /apply-template, the input-token count, /props."""
+        roll = rng.random()
+        if roll < 0.55:
+            body = copy.deepcopy(rng.choice(self.pools["llama"]))
+            if rng.random() < 0.5:
+                body["prompt"] = rng.choice(PROMPTS + [[self.target.filler_token] * 3, [12, "text", 34], ["a", "b"]])
+            body, notes = self.mutate(rng, body, LLAMA_PATHS, STRING_PATHS, self.llama_special)
+            path = rng.choice(["/completion", "/completion", "/completions"])
+            return self.json_probe(rng, f"POST {path}", path, body, notes, "llama")
+        if roll < 0.8:
+            body = copy.deepcopy(rng.choice(self.pools["chat"]))
+            if rng.random() < 0.5:
+                body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+            body, notes = self.mutate(rng, body, CHAT_PATHS)
+            path = rng.choice(["/apply-template", "/v1/chat/completions/input_tokens",
+                               "/chat/completions/input_tokens"])
+            return self.json_probe(rng, f"POST {path}", path, body, notes, "template")
+        if roll < 0.95:
+            model = self.target.model_id.replace(" ", "%20")
+            query = rng.choice(["", "", f"?model={model}", "?model=nope", "?model=%00", "?model=%ff",
+                                "?x=" + "y" * 3000])
+            return Probe(0, "GET /props", "GET", "/props" + query, tag="props")
+        body, notes = self.mutate(rng, {"default_generation_settings": {"n_predict": 5}}, [("x",)])
+        return self.json_probe(rng, "POST /props", "/props", body, notes, "props_change")
+
+    def llama_special(self, rng: random.Random, body: Any) -> tuple[Any, str]:
+        """One of the targeted hostile values of llama.cpp's /completion."""
+        choice = rng.choice(["prompt", "logit_bias", "n_probs", "n_predict", "grammar", "json_schema",
+                             "response_fields", "id_slot"])
+        if choice == "prompt":
+            return set_path(body, ("prompt",), copy.deepcopy(rng.choice(LLAMA_PROMPTS))), "llama_prompt"
+        if choice == "logit_bias":
+            return set_path(body, ("logit_bias",), copy.deepcopy(rng.choice(LLAMA_LOGIT_BIAS))), "llama_logit_bias"
+        if choice == "n_probs":
+            return set_path(body, ("n_probs",), rng.choice([0, 20, 21, -1, 2**63, "5", 1.5])), choice
+        if choice == "n_predict":
+            return set_path(body, ("n_predict",), rng.choice([-1, 0, -2, 2**31, 2**63, 1.5, "8", None])), choice
+        if choice == "grammar":
+            value = rng.choice(['root ::= (', 'root ::= "a"', "", "root ::= root", "root ::= [^\\x00]*", "x" * 5000,
+                                'root ::= "a" | ', Raw('"\\ud800"')])
+            return set_path(body, ("grammar",), value), choice
+        if choice == "json_schema":
+            value = rng.choice([{"type": "string", "pattern": "("}, {"$ref": "#"}, "string", {}, [],
+                                {"type": "array", "minItems": 100000},
+                                {"type": "integer", "minimum": 10, "maximum": 1}])
+            return set_path(body, ("json_schema",), copy.deepcopy(value)), choice
+        if choice == "response_fields":
+            value = rng.choice([["a/b/c"], [""], ["/" * 100], ["content"] * 1000, [5], "content", [None],
+                                ["generation_settings/n_predict", "timings/x/y"]])
+            return set_path(body, ("response_fields",), copy.deepcopy(value)), choice
+        n = self.target.n_slots
+        return set_path(body, ("id_slot",), rng.choice([-1, 0, n - 1, n, 99, 2**63, "0", 1.5])), "slot_hint"
+
     def routes(self, rng: random.Random) -> Probe:
         if rng.random() < 0.5:
             method, path = rng.choice(UNKNOWN_ROUTES)
@@ -660,8 +983,9 @@ class ProbeFactory:
         endpoint, path = rng.choice(KNOWN_PATHS)
         method = rng.choice(METHODS)
         body = None
-        if method in ("POST", "PUT", "PATCH"):
-            body = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}'
+        if method in ("POST", "PUT", "PATCH"):   # every budget field: a route that generates stops at once
+            body = (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "n_predict": 1, '
+                    b'"max_output_tokens": 1, "input": "x"}')
         return Probe(0, f"{method} {endpoint}", method, path, body=body, headers={"Content-Type": "application/json"},
                      tag="method")
 
@@ -810,6 +1134,7 @@ class ProbeFactory:
             add(f"slot action erase {slot}", b"{}", f"/slots/{slot}?action=erase")
         for action in ("", "delete", "SAVE", "%00"):
             add(f"slot action {action!r}", {"filename": "x.bin"}, f"/slots/0?action={action}")
+        self.hostile_other_apis(add)
         probes = []
         for tag, method, path, body in cases:
             data = body if isinstance(body, bytes) else encode_json(body)
@@ -823,6 +1148,142 @@ class ProbeFactory:
             probes.append(probe)
         probes += self.hostile_http()
         return probes
+
+    def hostile_other_apis(self, add: Callable[..., None]) -> None:
+        """Fixed cases for the Anthropic, Responses, embeddings and llama.cpp routes."""
+        t = self.target
+        user = [{"role": "user", "content": "hi"}]
+        messages, count, responses = "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"
+        embeddings, completion = "/v1/embeddings", "/completion"
+        surrogate = Raw('"\\ud800"')
+        for depth in (1000, 100_000):
+            add(f"deep{depth} messages", {"max_tokens": 1, "messages": [{"role": "user", "content": nested(depth)}]},
+                messages)
+            add(f"deep{depth} count_tokens tool", {"messages": user, "tools": [
+                {"name": "f", "input_schema": {"x": nested(depth, "dict")}}]}, count)
+            add(f"deep{depth} responses", {"max_output_tokens": 1, "input": nested(depth, "dict")}, responses)
+            add(f"deep{depth} embeddings", {"input": nested(depth)}, embeddings)
+            add(f"deep{depth} completion", {"n_predict": 1, "prompt": nested(depth)}, completion)
+        add("lone surrogate messages content", {"max_tokens": 1, "messages": [{"role": "user", "content": surrogate}]},
+            messages)
+        add("lone surrogate messages system", {"max_tokens": 1, "messages": user, "system": surrogate}, messages)
+        add("lone surrogate messages tool name", {"max_tokens": 1, "messages": user, "tools": [
+            {"name": surrogate, "input_schema": {}}]}, messages)
+        add("lone surrogate count_tokens", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": surrogate}]}]}, count)
+        add("lone surrogate responses instructions", {"max_output_tokens": 1, "input": "hi",
+                                                      "instructions": surrogate}, responses)
+        add("lone surrogate responses previous id", {"max_output_tokens": 1, "input": "hi",
+                                                     "previous_response_id": surrogate}, responses)
+        add("lone surrogate embeddings", {"input": [surrogate, "a"]}, embeddings)
+        add("lone surrogate completion", {"n_predict": 1, "prompt": [1, surrogate]}, completion)
+        add("lone surrogate apply-template", {"messages": [{"role": "user", "content": surrogate}]}, "/apply-template")
+        for value in ("NaN", "Infinity", "1e999"):
+            add(f"{value} messages temperature", {"max_tokens": 1, "messages": user, "temperature": Raw(value)},
+                messages)
+            add(f"{value} responses top_p", {"max_output_tokens": 1, "input": "hi", "top_p": Raw(value)}, responses)
+            add(f"{value} completion n_predict", {"prompt": "x", "n_predict": Raw(value)}, completion)
+            add(f"{value} embeddings dimensions", {"input": "x", "dimensions": Raw(value)}, embeddings)
+        for value in (0, -1, 1.5, "8"):
+            add(f"messages max_tokens {value}", {"max_tokens": value, "messages": user}, messages)
+            add(f"responses max_output_tokens {value}", {"max_output_tokens": value, "input": "hi"}, responses)
+        for value in (2**31, 2**63 - 1, 2**63, 10**30):   # accepted and clamped: read two events, then disconnect
+            add(f"huge max_tokens stream messages {value}", {"max_tokens": value, "messages": user, "stream": True},
+                messages)
+            add(f"huge max_tokens stream responses {value}", {"max_output_tokens": value, "input": "hi",
+                                                              "stream": True}, responses)
+            add(f"huge max_tokens stream llama n_predict {value}", {"n_predict": value, "prompt": "x", "stream": True},
+                completion)
+        add("huge max_tokens stream llama n_predict -1", {"n_predict": -1, "prompt": "x", "stream": True}, completion)
+        add("messages top_k 2**63", {"max_tokens": 1, "messages": user, "top_k": 2**63}, messages)
+        add("messages empty", {"max_tokens": 1, "messages": []}, messages)
+        add("messages stop 17", {"max_tokens": 1, "messages": user, "stop_sequences": ["a"] * 17}, messages)
+        add("messages stop empty", {"max_tokens": 1, "messages": user, "stop_sequences": [""]}, messages)
+        add("messages user tool_use", {"max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, messages)
+        add("messages thinking with forced tool", {"max_tokens": 1, "messages": user, "thinking": {"type": "enabled"},
+                                                   "tool_choice": {"type": "any"}, "tools": [
+            {"name": "f", "input_schema": {"type": "object"}}]}, messages)
+        add("messages tool_choice tool without name", {"max_tokens": 1, "messages": user,
+                                                       "tool_choice": {"type": "tool"}}, messages)
+        add("messages server tool", {"max_tokens": 1, "messages": user, "tools": [
+            {"type": "web_search_20250305", "name": "web_search"}]}, messages)
+        add("messages tool_result unknown id", {"max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "nope", "content": "x", "is_error": True}]}]}, messages)
+        add("count_tokens no messages", {}, count)
+        add("count_tokens model unknown", {"messages": user, "model": "nope"}, count)
+        weather = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {
+            "city": {"type": "string"}}, "required": ["city"]}}]
+        for stream in (False, True):
+            add(f"complex messages forced tool stream={stream}", {
+                "max_tokens": 8, "messages": user, "tools": weather, "tool_choice": {"type": "any"}, "stream": stream,
+                "system": [{"type": "text", "text": "be brief"}]}, messages)
+            add(f"complex messages conversation stream={stream}", {"max_tokens": 3, "stream": stream, "messages": [
+                {"role": "user", "content": "q"}, {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": ""},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "P"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}],
+                "tools": weather, "thinking": {"type": "enabled", "budget_tokens": 1024}}, messages)
+            add(f"complex responses tools stream={stream}", {
+                "max_output_tokens": 8, "stream": stream, "tool_choice": "required", "input": [
+                    {"role": "user", "content": "q"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "r"}],
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, responses)
+            add(f"complex responses json_schema stream={stream}", {
+                "max_output_tokens": 8, "stream": stream, "input": "list", "text": {"format": {
+                    "type": "json_schema", "name": "l", "schema": {"type": "object", "properties": {
+                        "a": {"type": "array", "items": {"type": "integer"}}}, "required": ["a"]}}}}, responses)
+            add(f"complex llama n_probs stream={stream}", {"prompt": [12, "text", 34], "n_predict": 4, "n_probs": 3,
+                                                           "stream": stream, "return_tokens": True,
+                                                           "logit_bias": [["hello", False]]}, completion)
+        add("responses previous id unknown", {"max_output_tokens": 1, "input": "hi",
+                                              "previous_response_id": "resp_nope"}, responses)
+        add("responses previous id stored", {"max_output_tokens": 1, "input": "and?",
+                                             "previous_response_id": RESPONSE_ID}, responses)
+        add("responses json_schema without schema", {"max_output_tokens": 1, "input": "hi", "text": {
+            "format": {"type": "json_schema"}}}, responses)
+        add("responses bad regex", {"max_output_tokens": 2, "input": "hi", "text": {"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "string", "pattern": "("}}}}, responses)
+        add("responses tool_choice missing tool", {"max_output_tokens": 1, "input": "hi", "tool_choice": {
+            "type": "function", "name": "g"}, "tools": [{"type": "function", "name": "f"}]}, responses)
+        add("responses metadata 17", {"max_output_tokens": 1, "input": "hi",
+                                      "metadata": {str(i): "v" for i in range(17)}}, responses)
+        add("responses function_call_output alone", {"max_output_tokens": 1, "input": [
+            {"type": "function_call_output", "call_id": "nope", "output": "x"}]}, responses)
+        add("responses empty input", {"max_output_tokens": 1, "input": []}, responses)
+        for value in self.embedding_inputs():
+            add(f"embeddings input {json.dumps(encode_json(value)[:30].decode('utf-8', 'replace'))}",
+                {"input": value}, embeddings)
+        for value in (0, 1, 2**63, "576"):
+            add(f"embeddings dimensions {value}", {"input": "x", "dimensions": value}, embeddings)
+        add("embeddings base64", {"input": ["a", "b"], "encoding_format": "base64"}, embeddings)
+        add("embeddings encoding_format binary", {"input": "a", "encoding_format": "binary"}, embeddings)
+        for prompt in ([], [[]], "", [""], [12, "text", 34], [[1, [2]]], [-1], [10**9], [2**63], [True], [None]):
+            add(f"llama prompt {json.dumps(prompt)[:30]}", {"prompt": prompt, "n_predict": 1}, completion)
+        for bias in ([[1, False]], [[1]], [[1, 2, 3]], {"hello": 101}, [[10**9, 1]], [["", 5]], [[1, Raw("NaN")]]):
+            add(f"llama logit_bias {json.dumps(encode_json(bias)[:30].decode())}",
+                {"prompt": "x", "n_predict": 1, "logit_bias": bias}, "/completions")
+        add("llama n_probs 21", {"prompt": "x", "n_predict": 1, "n_probs": 21}, completion)
+        add("llama grammar bad", {"prompt": "x", "n_predict": 1, "grammar": "root ::= ("}, completion)
+        add("llama grammar and json_schema", {"prompt": "x", "n_predict": 1, "grammar": 'root ::= "a"',
+                                              "json_schema": {"type": "object"}}, completion)
+        add("llama response_fields odd", {"prompt": "x", "n_predict": 1,
+                                          "response_fields": ["a/b/c", "", "/" * 100, "content"]}, completion)
+        for slot in (-1, t.n_slots, 99, 2**63):
+            add(f"slot_hint {slot} llama", {"prompt": "x", "n_predict": 1, "id_slot": slot}, completion)
+        add("llama n 2", {"prompt": "x", "n_predict": 1, "n": 2}, completion)
+        for path in ("/apply-template", "/v1/chat/completions/input_tokens"):
+            add(f"template kwargs reserved {path}", {"messages": user, "chat_template_kwargs": {"messages": []}}, path)
+            add(f"template no messages {path}", {"messages": []}, path)
+            add(f"template deep {path}", {"messages": [{"role": "user", "content": nested(100_000, "dict")}]}, path)
+            add(f"template raise_exception {path}", {"messages": [{"role": "user", "content": "x"}] * 2 + [
+                {"role": "system", "content": "late"}]}, path)
+        add("props change", {"n_predict": 5}, "/props")
+        for endpoint in (messages, count, responses, embeddings, completion, "/apply-template"):
+            add(f"nan body {endpoint}", b'{"x": NaN}', endpoint)
+            add(f"bytes invalid utf-8 {endpoint}", b'{"input": "\xff", "prompt": "\xed\xa0\x80"}', endpoint)
+            add(f"bytes empty {endpoint}", b"", endpoint)
 
     def hostile_http(self) -> list[Probe]:
         """Cases about HTTP itself: methods, routes, headers, sizes, and raw bytes httpx will not send."""
@@ -838,8 +1299,36 @@ class ProbeFactory:
                   tag="hostile over limit chunked"),
             Probe(0, "POST /v1/files", "POST", "/v1/files", body=multipart("b", [("file", "big", None, b"x" * over)]),
                   headers={"Content-Type": "multipart/form-data; boundary=b"}, tag="hostile upload over limit"),
-            Probe(0, "POST /v1/responses", "POST", "/v1/responses", body=b"{}", headers=json_type,
+            Probe(0, "POST /v1/batches", "POST", "/v1/batches", body=b"{}", headers=json_type,
                   tag="hostile unknown route"),
+            Probe(0, "POST /v1/messages", "POST", "/v1/messages", body=b'{"max_tokens": 1, "messages": [{"role": '
+                  b'"user", "content": "' + b"a" * over + b'"}]}', headers=json_type,
+                  tag="hostile over limit anthropic"),
+            Probe(0, "POST /v1/embeddings", "POST", "/v1/embeddings", body=b'{"input": "' + b"a" * over + b'"}',
+                  headers=json_type, tag="hostile over limit embeddings"),
+            Probe(0, "GET /v1/messages", "GET", "/v1/messages", tag="hostile wrong method"),
+            Probe(0, "PUT /v1/responses/{id}", "PUT", "/v1/responses/" + RESPONSE_ID, body=b"{}", headers=json_type,
+                  tag="hostile wrong method"),
+            Probe(0, "GET /completion", "GET", "/completion", tag="hostile wrong method"),
+            Probe(0, "POST /v1/messages", "POST", "/v1/messages", headers={"Content-Type": "text/plain"},
+                  body=b'{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}', tag="hostile text/plain"),
+            Probe(0, "POST /v1/messages/count_tokens", "POST", "/v1/messages/count_tokens",
+                  body='{"messages": [{"role": "user", "content": "hi"}]}'.encode("utf-16"),
+                  headers={"Content-Type": "application/json; charset=utf-16"}, tag="hostile utf-16 body"),
+            Probe(0, "POST /v1/responses", "POST", "/v1/responses", body=b"input=hi&max_output_tokens=1",
+                  headers={"Content-Type": "application/x-www-form-urlencoded"}, tag="hostile form type"),
+            Probe(0, "POST /v1/embeddings", "POST", "/v1/embeddings", body=b'{"input": "hi"}',
+                  headers={"Content-Type": "multipart/form-data; boundary=x"}, tag="hostile multipart type"),
+            Probe(0, "POST /completion", "POST", "/completion", body=b'{"prompt": "hi", "n_predict": 1}',
+                  headers={"Content-Type": "application/xml"}, tag="hostile xml type"),
+            Probe(0, "GET /v1/responses/{id}", "GET", "/v1/responses/" + RESPONSE_ID, tag="hostile stored response"),
+            Probe(0, "DELETE /v1/responses/{id}", "DELETE", "/v1/responses/" + RESPONSE_ID,
+                  tag="hostile stored response"),
+            Probe(0, "GET /v1/responses/{id}", "GET", "/v1/responses/..%2f..%2fetc%2fpasswd", tag="hostile traversal"),
+            Probe(0, "GET /v1/responses/{id}", "GET", "/v1/responses/%00", tag="hostile nul id"),
+            Probe(0, "GET /v1/responses/{id}", "GET", "/v1/responses/%ed%a0%80", tag="hostile surrogate id"),
+            Probe(0, "DELETE /v1/responses/{id}", "DELETE", "/v1/responses/" + "r" * 5000, tag="hostile long id"),
+            Probe(0, "GET /props", "GET", "/props?model=%ff", tag="hostile bad utf-8 model"),
             Probe(0, "GET /v1/chat/completions", "GET", "/v1/chat/completions", tag="hostile wrong method"),
             Probe(0, "DELETE /v1/models", "DELETE", "/v1/models", tag="hostile wrong method"),
             Probe(0, "OPTIONS /v1/chat/completions", "OPTIONS", "/v1/chat/completions", tag="hostile options"),
@@ -906,8 +1395,11 @@ class ProbeFactory:
         raw("long path", request(b"GET /v1/models/" + b"a" * 70000 + b" HTTP/1.1"), True)
         raw("unknown method", request(b"BREW /health HTTP/1.1"), False, "BREW /health")
         then_health = b"GET /health HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n"
-        raw("pipelined 404 then health", b"POST /v1/responses HTTP/1.1\r\nHost: " + host +
-            b"\r\nContent-Length: 2\r\n\r\n{}" + then_health, False, "POST /v1/responses", 2)
+        raw("pipelined 404 then health", b"POST /v1/batches HTTP/1.1\r\nHost: " + host +
+            b"\r\nContent-Length: 2\r\n\r\n{}" + then_health, False, "POST /v1/batches", 2)
+        raw("pipelined anthropic 400 then health", b"POST /v1/messages HTTP/1.1\r\nHost: " + host +
+            b"\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}" + then_health, False,
+            "POST /v1/messages", 2)
         raw("pipelined 405 then health", b"GET /v1/chat/completions HTTP/1.1\r\nHost: " + host + b"\r\n\r\n" +
             then_health, False, "GET /v1/chat/completions", 2)
         raw("extra body bytes then health", b"POST /v1/tokenize HTTP/1.1\r\nHost: " + host +
@@ -936,7 +1428,8 @@ def multipart(boundary: str, parts: list[tuple[str, str | None, str | None, byte
 ROUTES = [(re.compile(r"^/slots/[^/?]*/(save|restore|erase)$"), "/slots/{id}/\\1"),
           (re.compile(r"^/slots/[^/?]*$"), "/slots/{id}"),
           (re.compile(r"^/v1/files/[^/]+/content$"), "/v1/files/{id}/content"),
-          (re.compile(r"^/v1/files/[^/]+$"), "/v1/files/{id}"), (re.compile(r"^/v1/models/.+$"), "/v1/models/{id}")]
+          (re.compile(r"^/v1/files/[^/]+$"), "/v1/files/{id}"), (re.compile(r"^/v1/models/.+$"), "/v1/models/{id}"),
+          (re.compile(r"^/v1/responses/[^/]+$"), "/v1/responses/{id}")]
 
 
 def route_of(method: str, path: str) -> str:
@@ -960,6 +1453,7 @@ class RunState:
     statuses: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     problems: list[Problem] = field(default_factory=list)
     file_ids: list[str] = field(default_factory=list)
+    response_ids: list[str] = field(default_factory=list)
     health: HealthLog = field(default_factory=lambda: HealthLog(HEALTH_LIMIT_S))
     sent: int = 0
     reported: int = 0
@@ -1068,10 +1562,15 @@ async def send_raw(target: Target, probe: Probe, timeout: float) -> Outcome:
 
 
 def resolve_placeholders(probe: Probe, state: RunState) -> tuple[str, bytes | None]:
-    """The path and body with the FILE_ID placeholder replaced by a file uploaded in this run."""
-    real = state.file_ids[probe.index % len(state.file_ids)] if state.file_ids else "file-" + "0" * 24
-    body = probe.body.replace(FILE_ID.encode(), real.encode()) if probe.body is not None else None
-    return probe.path.replace(FILE_ID, real), body
+    """The path and body with the FILE_ID (RESPONSE_ID) placeholder replaced by a file uploaded (a response
+    stored) in this run."""
+    path, body = probe.path, probe.body
+    for placeholder, seen, missing in ((FILE_ID, state.file_ids, "file-" + "0" * 24),
+                                       (RESPONSE_ID, state.response_ids, "resp_" + "0" * 24)):
+        real = seen[probe.index % len(seen)] if seen else missing
+        path = path.replace(placeholder, real)
+        body = body.replace(placeholder.encode(), real.encode()) if body is not None else None
+    return path, body
 
 
 # --- checks -------------------------------------------------------------------------------------
@@ -1096,14 +1595,16 @@ def strict_json(data: bytes) -> Any:
     return value
 
 
-def envelope_problem(body: bytes, headers: dict[str, str]) -> str | None:
-    """Why an error body is not the OpenAI envelope, or None."""
+def envelope_problem(body: bytes, headers: dict[str, str], api: str = "openai") -> str | None:
+    """Why an error body is not the envelope of `api` ("openai" or "anthropic"), or None."""
     if not headers.get("content-type", "").startswith("application/json"):
         return f"content-type {headers.get('content-type')!r}, body {body[:200]!r}"
     try:
         value = strict_json(body)
     except (ValueError, UnicodeError) as exc:
         return f"not strict JSON ({exc}): {body[:200]!r}"
+    if api == "anthropic":
+        return anthropic_envelope_problem(value, body)
     error = value.get("error") if isinstance(value, dict) else None
     if not isinstance(error, dict):
         return f"no error object: {body[:200]!r}"
@@ -1111,6 +1612,18 @@ def envelope_problem(body: bytes, headers: dict[str, str]) -> str | None:
         return f"message/type not strings: {body[:200]!r}"
     if "param" not in error or "code" not in error:
         return f"param/code missing: {body[:200]!r}"
+    return None
+
+
+def anthropic_envelope_problem(value: Any, body: bytes) -> str | None:
+    """Why a parsed error body is not exactly Anthropic's {"type": "error", "error": {"type", "message"}}, or None."""
+    if not isinstance(value, dict) or value.get("type") != "error" or set(value) - {"type", "error", "request_id"}:
+        return f"not Anthropic's error envelope: {body[:200]!r}"
+    error = value.get("error")
+    if not isinstance(error, dict) or set(error) != {"type", "message"} or not isinstance(error["message"], str):
+        return f"Anthropic error object is not {{type, message}}: {body[:200]!r}"
+    if error["type"] not in ANTHROPIC_ERROR_TYPES:
+        return f"not an Anthropic error type: {error['type']!r}"
     return None
 
 
@@ -1143,7 +1656,7 @@ def check(probe: Probe, outcome: Outcome, state: RunState, timeout: float = math
     if status == 503 and "server_busy" in error_code(body) and "retry-after" not in headers:
         state.problem("retry_after", probe, status, "503 server_busy without Retry-After")
     if status >= 400 and probe.method != "HEAD" and not (probe.protocol and status < 500):
-        problem = envelope_problem(body, headers)
+        problem = envelope_problem(body, headers, "anthropic" if probe.endpoint in ANTHROPIC_ENDPOINTS else "openai")
         if problem:
             state.problem("envelope", probe, status, problem)
     if status >= 400 and LEAK.search(body.decode("utf-8", errors="replace")):
@@ -1159,15 +1672,32 @@ def check(probe: Probe, outcome: Outcome, state: RunState, timeout: float = math
                 except (ValueError, UnicodeError) as exc:
                     state.problem("bad_json", probe, status, f"SSE event not strict JSON ({exc}): {event[:200]}")
                     continue
-                if isinstance(value, dict) and "error" in value:
-                    error = value["error"] if isinstance(value["error"], dict) else {}
-                    if error.get("type") == "server_error" or str(error.get("code", "")).startswith("internal"):
-                        state.problem("stream_error", probe, status, event[:300])
+                if server_fault_event(value):
+                    state.problem("stream_error", probe, status, event[:300])
         elif content_type.startswith("application/json"):
             try:
                 strict_json(body)
             except (ValueError, UnicodeError) as exc:
                 state.problem("bad_json", probe, status, f"2xx body not strict JSON ({exc}): {body[:200]!r}")
+
+
+def server_fault_event(value: Any) -> bool:
+    """Whether an SSE event reports a server fault: OpenAI's error (type server_error, code internal_*),
+    Anthropic's error event of type api_error, or the Responses API's error / response.failed with code
+    server_error."""
+    if not isinstance(value, dict):
+        return False
+    error = value.get("error")
+    if isinstance(error, dict):
+        if error.get("type") in ("server_error", "api_error") or str(error.get("code", "")).startswith("internal"):
+            return True
+    if value.get("type") == "error" and value.get("code") == "server_error":
+        return True
+    response = value.get("response")
+    if value.get("type") == "response.failed" and isinstance(response, dict):
+        failure = response.get("error")
+        return isinstance(failure, dict) and failure.get("code") == "server_error"
+    return False
 
 
 def allowed_5xx(status: int, body: bytes, headers: dict[str, str]) -> bool:
@@ -1236,9 +1766,11 @@ async def run_probes(target: Target, probes: list[Probe], concurrency: int, time
                           "elapsed_s": round(outcome.elapsed, 3),
                           "body": outcome.body[:200].decode("utf-8", "replace")})
         check(probe, outcome, state, timeout)
-        if outcome.status is not None and outcome.status == 200 and probe.endpoint == "POST /v1/files":
+        ids = {"POST /v1/files": state.file_ids, "POST /v1/responses": state.response_ids}.get(probe.endpoint)
+        if ids is not None and outcome.status == 200 and outcome.headers.get("content-type", "").startswith(
+                "application/json"):
             try:
-                state.file_ids.append(json.loads(outcome.body)["id"])
+                ids.append(json.loads(outcome.body)["id"])
             except (ValueError, KeyError, TypeError):
                 pass
         if outcome.status is not None and outcome.status >= 400 and probe.raw is None:
