@@ -140,6 +140,26 @@ def test_rows_are_batch_and_thread_invariant(spec: Spec, threads: None) -> None:
     assert same_bits(run(x[9:10], part), whole[9:10, 3:37])
 
 
+@pytest.mark.parametrize("spec", [Spec("f32"), Spec("bf16"), Spec("base_q4", 32), Spec("base_q8", 64, True)], ids=str)
+def test_matmul_many_equals_one_matmul_per_weight(spec: Spec, threads: None) -> None:
+    """Fused weights (q/k/v, gate/up) give each output the bits of its own matmul, whatever the thread count
+    and batch; row counts that neither 4 nor the threads divide cut the thread runs inside a weight."""
+    k = 576 if spec.group != 64 else 640
+    weights = [random_weight(spec, n, k, seed=20 + n)[0] for n in (37, 9, 9, 130)]
+    x = np.random.default_rng(21).standard_normal((20, k), dtype=np.float32)
+    for nt in (1, 2, 3):
+        mm.set_num_threads(nt)
+        for rows in (1, 3, 16, 20):   # 20 rows: above the streaming size, one matmul per weight
+            outs = [np.full((rows, w.n), np.nan, dtype=np.float32) for w in weights]
+            mm.matmul_many(x[:rows], weights, outs)
+            assert all(same_bits(out, run(x[:rows], w)) for out, w in zip(outs, weights)), (nt, rows)
+    with pytest.raises(ValueError, match="weight 1 has K"):
+        mm.matmul_many(x, [weights[0], random_weight(spec, 4, 2 * k, seed=1)[0]],
+                       [np.zeros((20, 37), np.float32), np.zeros((20, 4), np.float32)])
+    with pytest.raises(ValueError, match="output 0 has shape"):
+        mm.matmul_many(x, [weights[0]], [np.zeros((20, 36), np.float32)])
+
+
 def test_tiles_split_across_threads_agree(threads: None) -> None:
     # Enough rows for several weight tiles per thread and M above one activation block.
     weight, reference = random_weight(Spec("base_q4", 32), 700, 576, seed=3)

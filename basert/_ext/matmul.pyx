@@ -5,7 +5,7 @@ value is bit-identical whatever the batch size, its row in the batch, or the thr
 
 from cython.parallel cimport prange, threadid
 from libc.stdint cimport int32_t, uint8_t, uint16_t
-from libc.stdlib cimport free
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 cdef extern from "<stdlib.h>" nogil:
@@ -179,6 +179,65 @@ def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
                                  buf + threadid() * stride if stride else NULL, &out[0, 0])
     finally:
         free(buf)
+
+
+def matmul_many(const float[:, ::1] x, list weights, list outs):
+    """outs[i] = x @ weights[i]^T for weights sharing x's K (q/k/v, gate/up): at most BASERT_STREAM_MAX_M rows
+    stream through one parallel region over the rows of every weight, so one synchronisation serves them all;
+    larger batches run `matmul` per weight. Each output row is the same as `matmul`'s (bit for bit)."""
+    cdef Py_ssize_t m = x.shape[0], k = x.shape[1], count = len(weights), total = 0, per, chunks, t, i
+    cdef Py_ssize_t r0, r1, lo, hi
+    cdef int nt = _num_threads
+    cdef Weight w
+    cdef float[:, ::1] o
+    if len(outs) != count:
+        raise ValueError(f"{count} weights but {len(outs)} outputs")
+    for i in range(count):
+        w = weights[i]
+        o = outs[i]
+        if w.c.k != k:
+            raise ValueError(f"x has {k} columns, weight {i} has K={w.c.k}")
+        if o.shape[0] != m or o.shape[1] != w.c.n:
+            raise ValueError(f"output {i} has shape ({o.shape[0]}, {o.shape[1]}), expected ({m}, {w.c.n})")
+        total += w.c.n
+    if m == 0 or total == 0:
+        return
+    if m > BASERT_STREAM_MAX_M:
+        for i in range(count):
+            matmul(x, weights[i], outs[i])
+        return
+    cdef const basert_weight **cw = <const basert_weight **>malloc(count * sizeof(basert_weight *))
+    cdef float **co = <float **>malloc(count * sizeof(float *))
+    cdef Py_ssize_t *first = <Py_ssize_t *>malloc((count + 1) * sizeof(Py_ssize_t))
+    if cw == NULL or co == NULL or first == NULL:
+        free(cw)
+        free(co)
+        free(first)
+        raise MemoryError()
+    first[0] = 0
+    for i in range(count):
+        w = weights[i]
+        o = outs[i]
+        cw[i] = &w.c
+        co[i] = &o[0, 0] if w.c.n else NULL
+        first[i + 1] = first[i] + w.c.n
+    # One contiguous run of the concatenated rows per thread, cut at the weights' boundaries.
+    per = ((total + nt - 1) // nt + 3) // 4 * 4
+    chunks = (total + per - 1) // per
+    try:
+        with nogil:
+            for t in prange(chunks, num_threads=nt, schedule="static"):
+                r0 = t * per
+                r1 = min(total, r0 + per)
+                for i in range(count):
+                    lo = max(r0, first[i])
+                    hi = min(r1, first[i + 1])
+                    if lo < hi:
+                        basert_stream(cw[i], &x[0, 0], k, m, lo - first[i], hi - first[i], co[i], cw[i].n)
+    finally:
+        free(cw)
+        free(co)
+        free(first)
 
 
 def embed_rows(Weight w not None, const int32_t[::1] ids, float[:, ::1] out):

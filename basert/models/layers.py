@@ -170,6 +170,7 @@ class Attention:
         self.k_proj = Linear(weights, f"{prefix}.k_proj.weight", kv_dim, hidden)
         self.v_proj = Linear(weights, f"{prefix}.v_proj.weight", kv_dim, hidden)
         self.o_proj = Linear(weights, f"{prefix}.o_proj.weight", hidden, q_dim)
+        self.qkv_weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]   # one fused call
         self.q_norm = weights.vector(f"{prefix}.q_norm.weight", self.head_dim) if qk_norm else None
         self.k_norm = weights.vector(f"{prefix}.k_norm.weight", self.head_dim) if qk_norm else None
         self.output_gate = output_gate
@@ -180,18 +181,19 @@ class Attention:
     def __call__(self, h: np.ndarray, batch: Batch, kv: KVTensors, ws: Workspace, out: np.ndarray) -> np.ndarray:
         t, hd = h.shape[0], self.head_dim
         q = ws.get("attn.q", t, self.n_heads, hd)
+        k = ws.get("attn.k", t, self.n_kv, hd)
+        v = ws.get("attn.v", t, self.n_kv, hd)
+        projected = [k.reshape(t, self.n_kv * hd), v.reshape(t, self.n_kv * hd)]
         if self.output_gate:
             # q_proj rows are per head [query | gate]: split into contiguous q and gate.
-            qg = self.q_proj(h, ws.get("attn.qg", t, self.n_heads * 2 * hd)).reshape(t, self.n_heads, 2 * hd)
+            qg = ws.get("attn.qg", t, self.n_heads * 2 * hd)
+            mm.matmul_many(h, self.qkv_weights, [qg, *projected])
+            qg = qg.reshape(t, self.n_heads, 2 * hd)
             np.copyto(q, qg[:, :, :hd])
             gate = ws.get("attn.gate", t, self.n_heads * hd)
             np.copyto(gate.reshape(t, self.n_heads, hd), qg[:, :, hd:])
         else:
-            self.q_proj(h, q.reshape(t, self.n_heads * hd))
-        k = ws.get("attn.k", t, self.n_kv, hd)
-        v = ws.get("attn.v", t, self.n_kv, hd)
-        self.k_proj(h, k.reshape(t, self.n_kv * hd))
-        self.v_proj(h, v.reshape(t, self.n_kv * hd))
+            mm.matmul_many(h, self.qkv_weights, [q.reshape(t, self.n_heads * hd), *projected])
         if self.q_norm is not None:
             ops.rmsnorm_heads(q, self.q_norm, self.eps)
             ops.rmsnorm_heads(k, self.k_norm, self.eps)
@@ -215,11 +217,13 @@ class MLP:
         self.gate_proj = Linear(weights, f"{prefix}.gate_proj.weight", hidden, d_model)
         self.up_proj = Linear(weights, f"{prefix}.up_proj.weight", hidden, d_model)
         self.down_proj = Linear(weights, f"{prefix}.down_proj.weight", d_model, hidden)
+        self.gate_up_weights = [self.gate_proj.weight, self.up_proj.weight]   # one fused call
         self.hidden = hidden
 
     def __call__(self, h: np.ndarray, ws: Workspace, out: np.ndarray, tag: str = "mlp") -> np.ndarray:
         t = h.shape[0]
-        gate = self.gate_proj(h, ws.get(f"{tag}.gate", t, self.hidden))
-        up = self.up_proj(h, ws.get(f"{tag}.up", t, self.hidden))
+        gate = ws.get(f"{tag}.gate", t, self.hidden)
+        up = ws.get(f"{tag}.up", t, self.hidden)
+        mm.matmul_many(h, self.gate_up_weights, [gate, up])
         ops.silu_mul(gate, up, gate)
         return self.down_proj(gate, out)
