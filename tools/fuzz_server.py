@@ -693,12 +693,18 @@ class ProbeFactory:
         return probe
 
     # --- endpoint families ----
-    def chat(self, rng: random.Random) -> Probe:
-        body = copy.deepcopy(rng.choice(self.pools["chat"]))
+    def conversation(self, rng: random.Random, pool: str) -> dict:
+        """A body drawn from a messages-shaped pool: half the time with one plain user turn, sometimes naming
+        the served model."""
+        body = copy.deepcopy(rng.choice(self.pools[pool]))
         if rng.random() < 0.5:
             body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
         if rng.random() < 0.3:
             body["model"] = self.target.model_id
+        return body
+
+    def chat(self, rng: random.Random) -> Probe:
+        body = self.conversation(rng, "chat")
         body, notes = self.mutate(rng, body, CHAT_PATHS)
         return self.json_probe(rng, "POST /v1/chat/completions", "/v1/chat/completions", body, notes, "chat")
 
@@ -812,11 +818,7 @@ class ProbeFactory:
 
     def messages(self, rng: random.Random) -> Probe:
         """Anthropic's /v1/messages, or /v1/messages/count_tokens with the same kind of body."""
-        body = copy.deepcopy(rng.choice(self.pools["messages"]))
-        if rng.random() < 0.5:
-            body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
-        if rng.random() < 0.3:
-            body["model"] = self.target.model_id
+        body = self.conversation(rng, "messages")
         count = rng.random() < 0.25
         if count and rng.random() < 0.5:
             for name in ("max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences"):
