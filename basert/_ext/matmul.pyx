@@ -5,7 +5,7 @@ value is bit-identical whatever the batch size, its row in the batch, or the thr
 
 from cython.parallel cimport prange, threadid
 from libc.stdint cimport int32_t, uint8_t, uint16_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free
 from libc.string cimport memcpy
 
 cdef extern from "<stdlib.h>" nogil:
@@ -181,6 +181,10 @@ def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
         free(buf)
 
 
+cdef enum:
+    MAX_FUSED = 8  # weights per matmul_many call (q/k/v needs 3): their pointers live on the stack
+
+
 def matmul_many(const float[:, ::1] x, list weights, list outs):
     """outs[i] = x @ weights[i]^T for weights sharing x's K (q/k/v, gate/up): at most BASERT_STREAM_MAX_M rows
     stream through one parallel region over the rows of every weight, so one synchronisation serves them all;
@@ -192,6 +196,8 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
     cdef float[:, ::1] o
     if len(outs) != count:
         raise ValueError(f"{count} weights but {len(outs)} outputs")
+    if count > MAX_FUSED:
+        raise ValueError(f"at most {MAX_FUSED} weights in one call, got {count}")
     for i in range(count):
         w = weights[i]
         o = outs[i]
@@ -206,14 +212,9 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
         for i in range(count):
             matmul(x, weights[i], outs[i])
         return
-    cdef const basert_weight **cw = <const basert_weight **>malloc(count * sizeof(basert_weight *))
-    cdef float **co = <float **>malloc(count * sizeof(float *))
-    cdef Py_ssize_t *first = <Py_ssize_t *>malloc((count + 1) * sizeof(Py_ssize_t))
-    if cw == NULL or co == NULL or first == NULL:
-        free(cw)
-        free(co)
-        free(first)
-        raise MemoryError()
+    cdef const basert_weight *cw[MAX_FUSED]
+    cdef float *co[MAX_FUSED]
+    cdef Py_ssize_t first[MAX_FUSED + 1]
     first[0] = 0
     for i in range(count):
         w = weights[i]
@@ -224,20 +225,15 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
     # One contiguous run of the concatenated rows per thread, cut at the weights' boundaries.
     per = ((total + nt - 1) // nt + 3) // 4 * 4
     chunks = (total + per - 1) // per
-    try:
-        with nogil:
-            for t in prange(chunks, num_threads=nt, schedule="static"):
-                r0 = t * per
-                r1 = min(total, r0 + per)
-                for i in range(count):
-                    lo = max(r0, first[i])
-                    hi = min(r1, first[i + 1])
-                    if lo < hi:
-                        basert_stream(cw[i], &x[0, 0], k, m, lo - first[i], hi - first[i], co[i], cw[i].n)
-    finally:
-        free(cw)
-        free(co)
-        free(first)
+    with nogil:
+        for t in prange(chunks, num_threads=nt, schedule="static"):
+            r0 = t * per
+            r1 = min(total, r0 + per)
+            for i in range(count):
+                lo = max(r0, first[i])
+                hi = min(r1, first[i + 1])
+                if lo < hi:
+                    basert_stream(cw[i], &x[0, 0], k, m, lo - first[i], hi - first[i], co[i], cw[i].n)
 
 
 def embed_rows(Weight w not None, const int32_t[::1] ids, float[:, ::1] out):
