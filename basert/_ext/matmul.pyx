@@ -133,6 +133,11 @@ cdef class Weight:
         return Weight(self.kind, stop - start, self.k, data, self.scales[start * g:stop * g], biases,
                       self.group_size, self.scale_dtype)
 
+    @property
+    def c_address(self):
+        """Address of this weight's C description (a basert_weight), valid while this object lives."""
+        return <size_t>&self.c
+
     def __repr__(self):
         return f"Weight({self.kind}, n={self.n}, k={self.k}, group_size={self.group_size})"
 

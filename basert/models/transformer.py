@@ -9,6 +9,7 @@ import numpy as np
 from basert._ext import matmul as mm
 from basert.models.config import DecoderConfig, LinearAttentionConfig, Qwen35Config
 from basert.models.layers import Attention, Batch, KVTensors, RMSNorm, Weights, Workspace
+from basert.models.plan import decode_graph
 
 
 class Layer(Protocol):
@@ -32,6 +33,8 @@ class DecoderModel:
         # Attention layers keep KV blocks, the others a recurrent state.
         self.n_attention_layers = sum(isinstance(layer.mixer, Attention) for layer in layers)
         self.n_linear_layers = len(layers) - self.n_attention_layers
+        # Steps of up to graph.max_tokens new tokens run as one C call when the layers allow it (models/plan.py).
+        self.graph = decode_graph(self)
 
     @property
     def linear_attention(self) -> LinearAttentionConfig | None:
@@ -46,9 +49,16 @@ class DecoderModel:
         t = batch.n_tokens
         x = ws.get("hidden", t, self.hidden)
         mm.embed_rows(self.embed, batch.tokens, x)
+        n = logit_rows.shape[0]
+        if self.graph is not None and head and t <= self.graph.max_tokens:
+            rows = ws.get("graph.logit_rows", n, dtype=np.int32)
+            np.copyto(rows, logit_rows, casting="unsafe")
+            logits = ws.get("logits", n, self.vocab)
+            self.graph.run(x, kv.k, kv.v, batch.positions, batch.rows, batch.lengths, batch.starts, batch.tables,
+                           rows, logits, mm.get_num_threads())
+            return logits
         for layer in self.layers:
             layer(x, batch, kv, ws)
-        n = logit_rows.shape[0]
         if n == 0:
             return np.zeros((0, self.vocab if head else self.hidden), dtype=np.float32)
         picked = ws.get("head.in", n, self.hidden)

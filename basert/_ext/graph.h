@@ -1,0 +1,224 @@
+/* The decode step of a pre-norm attention + SwiGLU decoder (Llama, Qwen3) run as one job of the
+ * persistent thread team (team.h): five phases per layer and one for the head, each split into
+ * chunks that team members claim.
+ *
+ *   QKV     every member first normalises the residual rows into its own buffer (input norm), then
+ *           chunks of the q|k|v output rows of all tokens
+ *   ATTN    one chunk per (sequence, kv head): q/k norms, RoPE, the K/V cache write, then attention
+ *           for every query head of the group
+ *   O       chunks of o_proj output rows, each added to the residual as soon as it is computed
+ *   GATEUP  every member normalises the residual (post-attention norm); chunks of gate and up rows
+ *           and their SwiGLU product
+ *   DOWN    chunks of down_proj output rows, added to the residual
+ *   HEAD    every member normalises the rows that want logits (final norm); chunks of vocab rows
+ *
+ * Every value is computed by the same row kernels, in the same order, as the Python model files'
+ * per-kernel path (models/layers.py): matmul rows by basert_stream (whose rows are independent of the
+ * rows computed with them), norms by basert_rmsnorm_row, RoPE by basert_rope_row, attention by
+ * basert_attend_rows, SwiGLU by basert_silu_mul_row over 8-aligned column ranges, residual adds as
+ * single float additions. So a token's logits are the same bits whichever path, batch or thread count
+ * computed them. */
+#ifndef BASERT_GRAPH_H
+#define BASERT_GRAPH_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "attention.h"
+#include "matmul.h"
+#include "ops.h"
+#include "simd.h"
+#include "team.h"
+
+enum { BG_QKV = 0, BG_ATTN = 1, BG_O = 2, BG_GATEUP = 3, BG_DOWN = 4, BG_PHASES_PER_LAYER = 5 };
+
+typedef struct {
+    const float *input_norm, *post_norm;    /* [D] */
+    const float *q_norm, *k_norm;           /* [head_dim], or NULL */
+    const basert_weight *wq, *wk, *wv, *wo; /* [H*d, D], [kv*d, D], [kv*d, D], [D, H*d] */
+    const basert_weight *wgate, *wup, *wdown;
+    char *k_cache, *v_cache;                /* [n_blocks, n_kv, 16, d] float32 or float16 */
+} bg_layer;
+
+typedef struct {
+    /* Shape */
+    int n_layers, n_heads, n_kv, head_dim, rope_half, interleaved, kv_f16, max_tokens, n_members;
+    ptrdiff_t dim, ffn, vocab, max_pos;
+    float eps, scale;
+    const float *cos, *sin; /* [max_pos, rope_half] */
+    const float *final_norm;
+    const basert_weight *head;
+    bg_layer *layers;
+    /* Buffers (max_tokens rows each) */
+    float *x;       /* [T, D] residual stream, embedded tokens on entry */
+    float *normed;  /* [n_members][max_tokens, D] each member's normalised rows */
+    float *q, *k, *v, *attn, *delta, *gate, *up;
+    float *logits;  /* [n_logits, vocab] */
+    float *scores;  /* [n_members][BASERT_ATTN_MAX_ROWS * max_pos] */
+    /* Chunking: rows per chunk of each matmul phase */
+    ptrdiff_t qkv_rows, o_rows, ffn_rows, head_rows;
+    int qkv_chunks, o_chunks, ffn_chunks, head_chunks;
+    /* The step */
+    int T, n_items, n_logits, table_stride;
+    const int32_t *positions, *item_rows, *item_lengths, *item_starts, *tables, *logit_rows;
+} bg_model;
+
+static inline float *bg_member_normed(const bg_model *m, int member) { return m->normed + (ptrdiff_t)member * m->max_tokens * m->dim; }
+
+/* Rows [r0, r1) of out[T, ldo] = x[T, ldx] @ W^T. */
+static inline void bg_rows(const basert_weight *w, const float *x, ptrdiff_t ldx, int T, ptrdiff_t r0, ptrdiff_t r1,
+                           float *out, ptrdiff_t ldo) {
+    if (r1 > w->n) r1 = w->n;
+    if (r0 < r1) basert_stream(w, x, ldx, T, r0, r1, out, ldo);
+}
+
+static void bg_prologue(void *ctx, int phase, int member) {
+    bg_model *m = (bg_model *)ctx;
+    float *h = bg_member_normed(m, member);
+    if (phase == m->n_layers * BG_PHASES_PER_LAYER) {
+        for (int i = 0; i < m->n_logits; i++)
+            basert_rmsnorm_row(m->x + (ptrdiff_t)m->logit_rows[i] * m->dim, m->final_norm, m->eps, h + i * m->dim, m->dim);
+        return;
+    }
+    const bg_layer *l = &m->layers[phase / BG_PHASES_PER_LAYER];
+    const float *w = phase % BG_PHASES_PER_LAYER == BG_QKV ? l->input_norm : l->post_norm;
+    for (int t = 0; t < m->T; t++) basert_rmsnorm_row(m->x + t * m->dim, w, m->eps, h + t * m->dim, m->dim);
+}
+
+/* out = W x rows [r0, r1), then x[t, r] += out[t, r] for those rows. */
+static void bg_rows_residual(bg_model *m, const basert_weight *w, const float *in, ptrdiff_t ldin, ptrdiff_t r0, ptrdiff_t r1) {
+    if (r1 > m->dim) r1 = m->dim;
+    if (r0 >= r1) return;
+    basert_stream(w, in, ldin, m->T, r0, r1, m->delta, m->dim);
+    for (int t = 0; t < m->T; t++) {
+        float *x = m->x + t * m->dim, *d = m->delta + t * m->dim;
+        for (ptrdiff_t r = r0; r < r1; r++) x[r] = x[r] + d[r];
+    }
+}
+
+static void bg_attention_item(bg_model *m, const bg_layer *l, int item, int g, int member) {
+    const ptrdiff_t d = m->head_dim, qdim = (ptrdiff_t)m->n_heads * d, kvdim = (ptrdiff_t)m->n_kv * d;
+    const int group = m->n_heads / m->n_kv, row0 = m->item_rows[item], len = m->item_lengths[item];
+    const int start = m->item_starts[item];
+    const int32_t *table = m->tables + (ptrdiff_t)item * m->table_stride;
+    const ptrdiff_t item_bytes = m->kv_f16 ? 2 : 4, block_stride = (ptrdiff_t)m->n_kv * BASERT_KV_BLOCK * d;
+    for (int t = row0; t < row0 + len; t++) {
+        const ptrdiff_t p = start + (t - row0);
+        const float *c = m->cos + p * m->rope_half, *s = m->sin + p * m->rope_half;
+        float *k = m->k + t * kvdim + g * d;
+        if (l->k_norm) basert_rmsnorm_row(k, l->k_norm, m->eps, k, d);
+        basert_rope_row(k, c, s, m->rope_half, m->interleaved);
+        const float *v = m->v + t * kvdim + g * d;
+        const ptrdiff_t at = ((ptrdiff_t)table[p / BASERT_KV_BLOCK] * block_stride + (g * BASERT_KV_BLOCK + p % BASERT_KV_BLOCK) * d) * item_bytes;
+        if (m->kv_f16) {
+            basert_store_f16(k, (uint16_t *)(l->k_cache + at), d);
+            basert_store_f16(v, (uint16_t *)(l->v_cache + at), d);
+        } else {
+            memcpy(l->k_cache + at, k, (size_t)d * sizeof(float));
+            memcpy(l->v_cache + at, v, (size_t)d * sizeof(float));
+        }
+        for (int h = g * group; h < (g + 1) * group; h++) {
+            float *q = m->q + t * qdim + h * d;
+            if (l->q_norm) basert_rmsnorm_row(q, l->q_norm, m->eps, q, d);
+            basert_rope_row(q, c, s, m->rope_half, m->interleaved);
+        }
+    }
+    const float *rows_q[BASERT_ATTN_MAX_ROWS];
+    float *rows_out[BASERT_ATTN_MAX_ROWS];
+    ptrdiff_t rows_pos[BASERT_ATTN_MAX_ROWS];
+    float *scores = m->scores + (ptrdiff_t)member * BASERT_ATTN_MAX_ROWS * m->max_pos;
+    const ptrdiff_t head_offset = (ptrdiff_t)g * BASERT_KV_BLOCK * d * item_bytes;
+    int n = 0;
+    for (int t = row0; t < row0 + len; t++)
+        for (int h = g * group; h < (g + 1) * group; h++) {
+            rows_q[n] = m->q + t * qdim + h * d;
+            rows_out[n] = m->attn + t * qdim + h * d;
+            rows_pos[n] = start + (t - row0) + 1;
+            if (++n == BASERT_ATTN_MAX_ROWS || (t == row0 + len - 1 && h == (g + 1) * group - 1)) {
+                basert_attend_rows(n, rows_q, rows_pos, l->k_cache + head_offset, l->v_cache + head_offset, m->kv_f16, table,
+                                   block_stride, d, m->scale, scores, m->max_pos, rows_out);
+                n = 0;
+            }
+        }
+}
+
+static void bg_chunk(void *ctx, int phase, int chunk, int member) {
+    bg_model *m = (bg_model *)ctx;
+    const int T = m->T;
+    if (phase == m->n_layers * BG_PHASES_PER_LAYER) {
+        const ptrdiff_t r0 = chunk * m->head_rows;
+        bg_rows(m->head, bg_member_normed(m, member), m->dim, m->n_logits, r0, r0 + m->head_rows, m->logits, m->vocab);
+        return;
+    }
+    const bg_layer *l = &m->layers[phase / BG_PHASES_PER_LAYER];
+    const float *h = bg_member_normed(m, member);
+    switch (phase % BG_PHASES_PER_LAYER) {
+    case BG_QKV: {
+        /* Rows of the concatenation q | k | v. */
+        const ptrdiff_t nq = l->wq->n, nk = l->wk->n, r0 = chunk * m->qkv_rows, r1 = r0 + m->qkv_rows;
+        bg_rows(l->wq, h, m->dim, T, r0, r1, m->q, nq);
+        bg_rows(l->wk, h, m->dim, T, r0 > nq ? r0 - nq : 0, r1 - nq, m->k, nk);
+        bg_rows(l->wv, h, m->dim, T, r0 > nq + nk ? r0 - nq - nk : 0, r1 - nq - nk, m->v, nk);
+        break;
+    }
+    case BG_ATTN:
+        bg_attention_item(m, l, chunk / m->n_kv, chunk % m->n_kv, member);
+        break;
+    case BG_O:
+        bg_rows_residual(m, l->wo, m->attn, (ptrdiff_t)m->n_heads * m->head_dim, chunk * m->o_rows, (chunk + 1) * m->o_rows);
+        break;
+    case BG_GATEUP: {
+        ptrdiff_t r0 = chunk * m->ffn_rows, r1 = r0 + m->ffn_rows;
+        if (r1 > m->ffn) r1 = m->ffn;
+        bg_rows(l->wgate, h, m->dim, T, r0, r1, m->gate, m->ffn);
+        bg_rows(l->wup, h, m->dim, T, r0, r1, m->up, m->ffn);
+        for (int t = 0; t < T; t++)
+            basert_silu_mul_row(m->gate + t * m->ffn + r0, m->up + t * m->ffn + r0, m->gate + t * m->ffn + r0, r1 - r0);
+        break;
+    }
+    default:
+        bg_rows_residual(m, l->wdown, m->gate, m->ffn, chunk * m->o_rows, (chunk + 1) * m->o_rows);
+        break;
+    }
+}
+
+static inline int bg_chunks_for(ptrdiff_t rows, ptrdiff_t per) { return (int)((rows + per - 1) / per); }
+
+/* Rows per chunk: about `target` chunks per member, a multiple of 16 rows (SwiGLU's 8-column groups and
+ * the 4-row blocks of the streaming kernel stay whole). */
+static inline ptrdiff_t bg_rows_per_chunk(ptrdiff_t rows, int members, int target) {
+    ptrdiff_t chunks = (ptrdiff_t)members * target;
+    ptrdiff_t per = (rows + chunks - 1) / chunks;
+    per = (per + 15) & ~(ptrdiff_t)15;
+    return per < 16 ? 16 : per;
+}
+
+/* Fills the chunk counts of every phase for the step described in m; returns the phase count. */
+static int bg_plan_step(bg_model *m, int32_t *chunks) {
+    int p = 0;
+    for (int i = 0; i < m->n_layers; i++) {
+        chunks[p++] = m->qkv_chunks;
+        chunks[p++] = m->n_items * m->n_kv;
+        chunks[p++] = m->o_chunks;
+        chunks[p++] = m->ffn_chunks;
+        chunks[p++] = m->o_chunks;
+    }
+    chunks[p++] = m->n_logits > 0 ? m->head_chunks : 0;
+    return p;
+}
+
+/* Sets the chunk sizes for the model's shapes and the team's member count. */
+static void bg_plan_chunks(bg_model *m) {
+    const bg_layer *l = &m->layers[0];
+    const ptrdiff_t qkv = l->wq->n + l->wk->n + l->wv->n;
+    m->qkv_rows = bg_rows_per_chunk(qkv, m->n_members, 4);
+    m->qkv_chunks = bg_chunks_for(qkv, m->qkv_rows);
+    m->o_rows = bg_rows_per_chunk(m->dim, m->n_members, 4);
+    m->o_chunks = bg_chunks_for(m->dim, m->o_rows);
+    m->ffn_rows = bg_rows_per_chunk(m->ffn, m->n_members, 4);
+    m->ffn_chunks = bg_chunks_for(m->ffn, m->ffn_rows);
+    m->head_rows = bg_rows_per_chunk(m->vocab, m->n_members, 8);
+    m->head_chunks = bg_chunks_for(m->vocab, m->head_rows);
+}
+
+#endif

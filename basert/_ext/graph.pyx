@@ -1,0 +1,272 @@
+# cython: language_level=3
+"""The decode step of a pre-norm attention + SwiGLU decoder in one call: every layer and the head run as
+phases of one job of a persistent thread team (graph.h, team.h), with no Python and no OpenMP region
+per kernel. The model files describe the layers (basert.models.plan builds the description); results
+are bit-identical to the per-kernel path."""
+
+import os
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int32_t
+from libc.stdlib cimport free, malloc
+
+cnp.import_array()
+
+cdef extern from "graph.h" nogil:
+    ctypedef struct basert_weight:
+        Py_ssize_t n, k
+    ctypedef struct basert_team:
+        int n_threads
+    basert_team *basert_team_new(int n_threads)
+    void basert_team_free(basert_team *t)
+    ctypedef void (*basert_phase_fn)(void *ctx, int phase, int chunk, int member)
+    ctypedef void (*basert_phase_prologue_fn)(void *ctx, int phase, int member)
+    void basert_team_run(basert_team *t, void *ctx, basert_phase_fn fn, basert_phase_prologue_fn prologue,
+                         int n_phases, const int32_t *chunks)
+    const int BASERT_TEAM_MAX_PHASES
+    const int BASERT_ATTN_MAX_ROWS
+    const int BASERT_KV_BLOCK
+    const int BG_PHASES_PER_LAYER
+    ctypedef struct bg_layer:
+        const float *input_norm
+        const float *post_norm
+        const float *q_norm
+        const float *k_norm
+        const basert_weight *wq
+        const basert_weight *wk
+        const basert_weight *wv
+        const basert_weight *wo
+        const basert_weight *wgate
+        const basert_weight *wup
+        const basert_weight *wdown
+        char *k_cache
+        char *v_cache
+    ctypedef struct bg_model:
+        int n_layers, n_heads, n_kv, head_dim, rope_half, interleaved, kv_f16, max_tokens, n_members
+        Py_ssize_t dim, ffn, vocab, max_pos
+        float eps, scale
+        const float *cos
+        const float *sin
+        const float *final_norm
+        const basert_weight *head
+        bg_layer *layers
+        float *x
+        float *normed
+        float *q
+        float *k
+        float *v
+        float *attn
+        float *delta
+        float *gate
+        float *up
+        float *logits
+        float *scores
+        int T, n_items, n_logits, table_stride
+        const int32_t *positions
+        const int32_t *item_rows
+        const int32_t *item_lengths
+        const int32_t *item_starts
+        const int32_t *tables
+        const int32_t *logit_rows
+    void bg_prologue(void *ctx, int phase, int member)
+    void bg_chunk(void *ctx, int phase, int chunk, int member)
+    int bg_plan_step(bg_model *m, int32_t *chunks)
+    void bg_plan_chunks(bg_model *m)
+
+
+cdef const basert_weight *_weight(w, Py_ssize_t n, Py_ssize_t k, str what) except NULL:
+    cdef const basert_weight *c = <const basert_weight *> <size_t> w.c_address
+    if c.n != n or c.k != k:
+        raise ValueError(f"{what} is [{c.n}, {c.k}], expected [{n}, {k}]")
+    return c
+
+
+cdef const float *_vector(a, Py_ssize_t n, str what) except? NULL:
+    if a is None:
+        return NULL
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or not a.flags.c_contiguous or a.size != n:
+        raise ValueError(f"{what} must be a contiguous float32 array of {n} values")
+    return <const float *> cnp.PyArray_DATA(a)
+
+
+cdef float *_buffer(list keep, shape):
+    a = np.zeros(shape, dtype=np.float32)
+    keep.append(a)
+    return <float *> cnp.PyArray_DATA(a)
+
+
+cdef class DecodeGraph:
+    """One model's decode step. `layers` holds, per layer, a dict with input_norm, post_norm, q_norm, k_norm
+    (float32 arrays or None) and wq, wk, wv, wo, wgate, wup, wdown (basert._ext.matmul.Weight)."""
+
+    cdef bg_model m
+    cdef bg_layer *layers
+    cdef basert_team *team
+    cdef int team_pid
+    cdef int32_t *chunks
+    cdef list keep
+    cdef object k_bound, v_bound
+    cdef readonly int max_tokens
+    cdef readonly Py_ssize_t n_blocks
+
+    def __cinit__(self):
+        self.layers = NULL
+        self.team = NULL
+        self.chunks = NULL
+
+    def __init__(self, list layers, final_norm, head, cos, sin, bint interleaved, int n_heads, int n_kv,
+                 int head_dim, float eps, float scale, int max_tokens=16):
+        cdef Py_ssize_t n_layers = len(layers), i
+        if n_layers == 0 or n_layers * BG_PHASES_PER_LAYER + 1 > BASERT_TEAM_MAX_PHASES:
+            raise ValueError(f"a decode graph takes 1 to {(BASERT_TEAM_MAX_PHASES - 1) // BG_PHASES_PER_LAYER} layers")
+        if n_heads <= 0 or n_kv <= 0 or n_heads % n_kv or head_dim <= 0 or max_tokens <= 0:
+            raise ValueError("bad head counts, head_dim or max_tokens")
+        if max_tokens * n_heads // n_kv > BASERT_ATTN_MAX_ROWS * max_tokens:
+            raise ValueError("too many query heads per kv head")
+        cos = np.ascontiguousarray(cos, dtype=np.float32)
+        sin = np.ascontiguousarray(sin, dtype=np.float32)
+        if cos.ndim != 2 or cos.shape != sin.shape or 2 * cos.shape[1] > head_dim:
+            raise ValueError("cos and sin tables must be [max_pos, rotary_dim / 2] with rotary_dim <= head_dim")
+        self.keep = [layers, final_norm, head, cos, sin]
+        cdef Py_ssize_t dim = head.k, vocab = head.n, qdim = n_heads * head_dim, kvdim = n_kv * head_dim
+        cdef Py_ssize_t ffn = layers[0]["wgate"].n
+        self.layers = <bg_layer *> malloc(n_layers * sizeof(bg_layer))
+        self.chunks = <int32_t *> malloc(BASERT_TEAM_MAX_PHASES * sizeof(int32_t))
+        if self.layers == NULL or self.chunks == NULL:
+            raise MemoryError()
+        cdef bg_layer *l
+        for i in range(n_layers):
+            spec = layers[i]
+            l = &self.layers[i]
+            l.input_norm = _vector(spec["input_norm"], dim, "input_norm")
+            l.post_norm = _vector(spec["post_norm"], dim, "post_norm")
+            l.q_norm = _vector(spec.get("q_norm"), head_dim, "q_norm")
+            l.k_norm = _vector(spec.get("k_norm"), head_dim, "k_norm")
+            if l.input_norm == NULL or l.post_norm == NULL or (l.q_norm == NULL) != (l.k_norm == NULL):
+                raise ValueError(f"layer {i}: norms missing")
+            l.wq = _weight(spec["wq"], qdim, dim, f"layer {i} wq")
+            l.wk = _weight(spec["wk"], kvdim, dim, f"layer {i} wk")
+            l.wv = _weight(spec["wv"], kvdim, dim, f"layer {i} wv")
+            l.wo = _weight(spec["wo"], dim, qdim, f"layer {i} wo")
+            l.wgate = _weight(spec["wgate"], ffn, dim, f"layer {i} wgate")
+            l.wup = _weight(spec["wup"], ffn, dim, f"layer {i} wup")
+            l.wdown = _weight(spec["wdown"], dim, ffn, f"layer {i} wdown")
+            l.k_cache = NULL
+            l.v_cache = NULL
+        cdef bg_model *m = &self.m
+        m.n_layers, m.n_heads, m.n_kv, m.head_dim = n_layers, n_heads, n_kv, head_dim
+        m.rope_half, m.interleaved, m.kv_f16, m.max_tokens = cos.shape[1], interleaved, 0, max_tokens
+        m.dim, m.ffn, m.vocab, m.max_pos = dim, ffn, vocab, cos.shape[0]
+        m.eps, m.scale = eps, scale
+        m.cos = <const float *> cnp.PyArray_DATA(cos)
+        m.sin = <const float *> cnp.PyArray_DATA(sin)
+        m.final_norm = _vector(final_norm, dim, "final_norm")
+        m.head = _weight(head, vocab, dim, "head")
+        m.layers = self.layers
+        m.q = _buffer(self.keep, (max_tokens, qdim))
+        m.k = _buffer(self.keep, (max_tokens, kvdim))
+        m.v = _buffer(self.keep, (max_tokens, kvdim))
+        m.attn = _buffer(self.keep, (max_tokens, qdim))
+        m.delta = _buffer(self.keep, (max_tokens, dim))
+        m.gate = _buffer(self.keep, (max_tokens, ffn))
+        m.up = _buffer(self.keep, (max_tokens, ffn))
+        m.n_members = 0
+        self.max_tokens = max_tokens
+        self.k_bound = None
+        self.v_bound = None
+
+    def __dealloc__(self):
+        if self.team != NULL and self.team_pid == os.getpid():
+            basert_team_free(self.team)
+        free(self.layers)
+        free(self.chunks)
+
+    cdef int _ensure_team(self, int n_threads) except -1:
+        """A team of n_threads members in this process (a forked child starts its own)."""
+        pid = os.getpid()
+        if self.team != NULL and self.team_pid == pid and self.team.n_threads == n_threads:
+            return 0
+        if self.team != NULL and self.team_pid == pid:
+            basert_team_free(self.team)
+        self.team = basert_team_new(n_threads)
+        if self.team == NULL:
+            raise MemoryError("cannot start the decode thread team")
+        self.team_pid = pid
+        cdef bg_model *m = &self.m
+        m.n_members = self.team.n_threads
+        m.normed = _buffer(self.keep, (m.n_members, m.max_tokens, m.dim))
+        m.scores = _buffer(self.keep, (m.n_members, BASERT_ATTN_MAX_ROWS * m.max_pos))
+        bg_plan_chunks(m)
+        return 0
+
+    cdef int _bind_kv(self, list k_caches, list v_caches) except -1:
+        if k_caches is self.k_bound and v_caches is self.v_bound:
+            return 0
+        cdef bg_model *m = &self.m
+        if len(k_caches) != m.n_layers or len(v_caches) != m.n_layers:
+            raise ValueError(f"{m.n_layers} layers need as many K and V caches")
+        dtype = k_caches[0].dtype
+        if dtype not in (np.float32, np.float16):
+            raise ValueError("KV caches must be float32 or float16")
+        shape = k_caches[0].shape
+        if len(shape) != 4 or shape[1] != m.n_kv or shape[2] != BASERT_KV_BLOCK or shape[3] != m.head_dim:
+            raise ValueError(f"KV caches must be [n_blocks, {m.n_kv}, {BASERT_KV_BLOCK}, {m.head_dim}]")
+        for i in range(m.n_layers):
+            for cache in (k_caches[i], v_caches[i]):
+                if (not isinstance(cache, np.ndarray) or cache.dtype != dtype or cache.shape != shape
+                        or not cache.flags.c_contiguous or not cache.flags.writeable):
+                    raise ValueError("KV caches must be writable C-contiguous arrays of one shape and type")
+            self.layers[i].k_cache = <char *> cnp.PyArray_DATA(k_caches[i])
+            self.layers[i].v_cache = <char *> cnp.PyArray_DATA(v_caches[i])
+        m.kv_f16 = dtype == np.float16
+        self.k_bound, self.v_bound = k_caches, v_caches
+        self.n_blocks = shape[0]
+        return 0
+
+    def run(self, float[:, ::1] x, list k_caches, list v_caches, const int32_t[::1] positions,
+            const int32_t[::1] rows, const int32_t[::1] lengths, const int32_t[::1] starts,
+            const int32_t[:, ::1] tables, const int32_t[::1] logit_rows, float[:, ::1] logits, int n_threads):
+        """Run every layer over the T new tokens whose embeddings are in x [T, D] (x ends as the last
+        residual stream), writing their K/V into the caches, and the head over x's logit_rows into
+        logits [len(logit_rows), vocab]. Item i is rows rows[i] .. +lengths[i] of x, at positions
+        starts[i] .. of the sequence whose block table is tables[i]."""
+        cdef bg_model *m = &self.m
+        cdef Py_ssize_t T = x.shape[0], n_items = rows.shape[0], i, b, n_blocks
+        if T <= 0 or T > m.max_tokens or x.shape[1] != m.dim:
+            raise ValueError(f"x must be [1..{m.max_tokens}, {m.dim}], got [{T}, {x.shape[1]}]")
+        if positions.shape[0] != T or lengths.shape[0] != n_items or starts.shape[0] != n_items \
+                or tables.shape[0] != n_items:
+            raise ValueError("positions, rows, lengths, starts and tables disagree")
+        if logits.shape[0] != logit_rows.shape[0] or logits.shape[1] != m.vocab:
+            raise ValueError(f"logits must be [{logit_rows.shape[0]}, {m.vocab}]")
+        self._bind_kv(k_caches, v_caches)
+        self._ensure_team(n_threads)
+        cdef Py_ssize_t covered = 0
+        for i in range(n_items):
+            if rows[i] != covered or lengths[i] <= 0 or starts[i] < 0 or starts[i] + lengths[i] > m.max_pos:
+                raise ValueError(f"item {i} does not continue the rows or leaves the context")
+            covered += lengths[i]
+            n_blocks = (starts[i] + lengths[i] + BASERT_KV_BLOCK - 1) // BASERT_KV_BLOCK
+            if n_blocks > tables.shape[1]:
+                raise ValueError(f"item {i}'s block table is too short")
+            for b in range(n_blocks):
+                if tables[i, b] < 0 or tables[i, b] >= self.n_blocks:
+                    raise ValueError(f"item {i}'s block table names block {tables[i, b]}")
+        if covered != T:
+            raise ValueError("items must cover the rows of x")
+        for i in range(logit_rows.shape[0]):
+            if logit_rows[i] < 0 or logit_rows[i] >= T:
+                raise ValueError(f"logit row {logit_rows[i]} outside the {T} rows")
+        if logit_rows.shape[0] > m.max_tokens:
+            raise ValueError("more logit rows than tokens")
+        m.x = &x[0, 0]
+        m.T, m.n_items, m.n_logits, m.table_stride = T, n_items, logit_rows.shape[0], tables.shape[1]
+        m.positions = &positions[0]
+        m.item_rows, m.item_lengths, m.item_starts = &rows[0], &lengths[0], &starts[0]
+        m.tables = &tables[0, 0]
+        m.logit_rows = &logit_rows[0] if logit_rows.shape[0] else NULL
+        m.logits = &logits[0, 0] if logits.shape[0] else NULL
+        cdef int n_phases = bg_plan_step(m, self.chunks)
+        with nogil:
+            basert_team_run(self.team, m, bg_chunk, bg_prologue, n_phases, self.chunks)

@@ -1,0 +1,94 @@
+"""The C decode graph (basert._ext.graph, built by basert.models.plan) against the per-kernel path of the
+model files: the same bits for decode steps and short chunks, alone and batched, for any thread count."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from basert.engine.runner import ForwardRequest, ModelRunner
+from basert.models.plan import MAX_GRAPH_TOKENS
+
+
+def open_runner(path: Path, kv_dtype: type, threads: int, graph: bool) -> ModelRunner:
+    runner = ModelRunner(path, max_context=320, max_sequences=3, kv_dtype=kv_dtype, threads=threads)
+    if not graph:
+        runner.model.graph = None
+    return runner
+
+
+def script(runner: ModelRunner) -> list[np.ndarray]:
+    """Logits of a fixed mix of steps: prefills longer than the graph takes, then batched decode steps of
+    three sequences, a batch of one decode and one 10-token chunk, and a chunk of exactly MAX_GRAPH_TOKENS."""
+    rng = np.random.default_rng(5)
+    vocab = runner.vocab_size
+    seqs = [runner.new_sequence() for _ in range(3)]
+    out = []
+    for seq, n in zip(seqs, (40, 3, 130)):
+        out.append(runner.forward([ForwardRequest(seq, rng.integers(0, vocab, n).tolist(), logits="all")])[0].copy())
+    for _ in range(4):
+        steps = [ForwardRequest(seq, [int(rng.integers(0, vocab))]) for seq in seqs]
+        out.extend(r.copy() for r in runner.forward(steps))
+    mixed = [ForwardRequest(seqs[0], [7]), ForwardRequest(seqs[1], rng.integers(0, vocab, 10).tolist(), logits="all")]
+    out.extend(r.copy() for r in runner.forward(mixed))
+    chunk = rng.integers(0, vocab, MAX_GRAPH_TOKENS).tolist()
+    out.append(runner.forward([ForwardRequest(seqs[2], chunk, logits="all")])[0].copy())
+    for seq in seqs:
+        runner.release(seq)
+    return out
+
+
+def same_bits(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float16, np.float32], ids=["kv-f16", "kv-f32"])
+@pytest.mark.parametrize("name", ["smollm2", "qwen3-tiny"])
+def test_graph_steps_equal_the_per_kernel_path(name: str, kv_dtype: type, smollm2_base: Path,
+                                               tiny_f32_bases: dict[str, Path]):
+    path = smollm2_base if name == "smollm2" else tiny_f32_bases[name]
+    reference_runner = open_runner(path, kv_dtype, threads=2, graph=False)
+    reference = script(reference_runner)
+    reference_runner.close()
+    for threads in (1, 2, 3):
+        runner = open_runner(path, kv_dtype, threads=threads, graph=True)
+        assert runner.model.graph is not None
+        got = script(runner)
+        runner.close()
+        assert same_bits(got, reference), f"{threads} threads"
+
+
+def test_models_the_graph_does_not_run_keep_the_per_kernel_path(tiny_f32_bases: dict[str, Path]):
+    for name in ("qwen3_5-tiny", "qwen3_5_moe-tiny"):
+        runner = ModelRunner(tiny_f32_bases[name], max_context=64)
+        assert runner.model.graph is None, name
+        runner.close()
+
+
+def test_graph_rejects_inconsistent_steps(smollm2_base: Path):
+    runner = ModelRunner(smollm2_base, max_context=64)
+    graph = runner.model.graph
+    hidden, vocab = runner.hidden_size, runner.vocab_size
+    x = np.zeros((2, hidden), dtype=np.float32)
+    logits = np.zeros((1, vocab), dtype=np.float32)
+    positions = np.array([0, 1], dtype=np.int32)
+    one = np.array([0], dtype=np.int32)
+    tables = np.zeros((1, 4), dtype=np.int32)
+    k, v = runner.kv.k, runner.kv.v
+    with pytest.raises(ValueError, match="cover"):
+        graph.run(x, k, v, positions, one, np.array([1], dtype=np.int32), one, tables, one, logits, 1)
+    with pytest.raises(ValueError, match="block table names"):
+        graph.run(x, k, v, positions, one, np.array([2], dtype=np.int32), one,
+                  np.full((1, 4), runner.kv.n_blocks, dtype=np.int32), one, logits, 1)
+    with pytest.raises(ValueError, match="leaves the context"):
+        graph.run(x, k, v, positions, one, np.array([2], dtype=np.int32), np.array([63], dtype=np.int32), tables,
+                  one, logits, 1)
+    with pytest.raises(ValueError, match="logit row"):
+        graph.run(x, k, v, positions, one, np.array([2], dtype=np.int32), one, tables,
+                  np.array([2], dtype=np.int32), logits, 1)
+    with pytest.raises(ValueError, match="x must be"):
+        graph.run(np.zeros((MAX_GRAPH_TOKENS + 1, hidden), dtype=np.float32), k, v, positions, one, one, one,
+                  tables, one, logits, 1)
+    runner.close()
