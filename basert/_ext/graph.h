@@ -3,9 +3,9 @@
  * chunks that team members claim.
  *
  *   QKV     every member first normalises the residual rows into its own buffer (input norm), then
- *           chunks of the q|k|v output rows of all tokens
- *   ATTN    one chunk per (sequence, kv head): q/k norms, RoPE, the K/V cache write, then attention
- *           for every query head of the group
+ *           chunks of whole heads of the q|k|v projection of all tokens, each finished in the chunk:
+ *           q/k norms, RoPE, the K/V cache write
+ *   ATTN    one chunk per (sequence, kv head): attention for every query head of the group
  *   O       chunks of o_proj output rows, each added to the residual as soon as it is computed
  *   GATEUP  every member normalises the residual (post-attention norm); chunks of gate and up rows
  *           and their SwiGLU product
@@ -96,33 +96,64 @@ static void bg_rows_residual(bg_model *m, const basert_weight *w, const float *i
     }
 }
 
+/* Byte offset of position p of kv head g in a layer's cache. */
+static inline ptrdiff_t bg_cache_offset(const bg_model *m, const int32_t *table, ptrdiff_t p, int g) {
+    const ptrdiff_t d = m->head_dim, block_stride = (ptrdiff_t)m->n_kv * BASERT_KV_BLOCK * d;
+    return ((ptrdiff_t)table[p / BASERT_KV_BLOCK] * block_stride + (g * BASERT_KV_BLOCK + p % BASERT_KV_BLOCK) * d) * (m->kv_f16 ? 2 : 4);
+}
+
+static inline void bg_cache_store(const bg_model *m, const float *row, char *at) {
+    if (m->kv_f16) basert_store_f16(row, (uint16_t *)at, m->head_dim);
+    else memcpy(at, row, (size_t)m->head_dim * sizeof(float));
+}
+
+/* What follows the projection of one head row of token t: q and k get their norm and RoPE, k and v go
+ * into the cache at the token's position. `part` 0, 1, 2 is q, k, v. */
+static void bg_finish_head(const bg_model *m, const bg_layer *l, int t, int part, int head) {
+    const ptrdiff_t d = m->head_dim, p = m->positions[t];
+    int item = 0;
+    while (t >= m->item_rows[item] + m->item_lengths[item]) item++;
+    const float *c = m->cos + p * m->rope_half, *s = m->sin + p * m->rope_half;
+    if (part == 0) {
+        float *q = m->q + (t * (ptrdiff_t)m->n_heads + head) * d;
+        if (l->q_norm) basert_rmsnorm_row(q, l->q_norm, m->eps, q, d);
+        basert_rope_row(q, c, s, m->rope_half, m->interleaved);
+        return;
+    }
+    const int32_t *table = m->tables + (ptrdiff_t)item * m->table_stride;
+    const ptrdiff_t at = bg_cache_offset(m, table, p, head);
+    if (part == 1) {
+        float *k = m->k + (t * (ptrdiff_t)m->n_kv + head) * d;
+        if (l->k_norm) basert_rmsnorm_row(k, l->k_norm, m->eps, k, d);
+        basert_rope_row(k, c, s, m->rope_half, m->interleaved);
+        bg_cache_store(m, k, l->k_cache + at);
+    } else {
+        bg_cache_store(m, m->v + (t * (ptrdiff_t)m->n_kv + head) * d, l->v_cache + at);
+    }
+}
+
+/* Rows [r0, r1) of the concatenated q | k | v projection (whole heads), then each head's norm, RoPE and
+ * cache write. */
+static void bg_qkv_rows(const bg_model *m, const bg_layer *l, const float *h, ptrdiff_t r0, ptrdiff_t r1) {
+    const ptrdiff_t nq = l->wq->n, nk = l->wk->n, d = m->head_dim;
+    const int T = m->T;
+    bg_rows(l->wq, h, m->dim, T, r0, r1, m->q, nq);
+    bg_rows(l->wk, h, m->dim, T, r0 > nq ? r0 - nq : 0, r1 - nq, m->k, nk);
+    bg_rows(l->wv, h, m->dim, T, r0 > nq + nk ? r0 - nq - nk : 0, r1 - nq - nk, m->v, nk);
+    if (r1 > nq + 2 * nk) r1 = nq + 2 * nk;
+    for (ptrdiff_t r = r0; r < r1; r += d) {
+        const int part = r < nq ? 0 : r < nq + nk ? 1 : 2;
+        const int head = (int)((part == 0 ? r : part == 1 ? r - nq : r - nq - nk) / d);
+        for (int t = 0; t < T; t++) bg_finish_head(m, l, t, part, head);
+    }
+}
+
 static void bg_attention_item(bg_model *m, const bg_layer *l, int item, int g, int member) {
-    const ptrdiff_t d = m->head_dim, qdim = (ptrdiff_t)m->n_heads * d, kvdim = (ptrdiff_t)m->n_kv * d;
+    const ptrdiff_t d = m->head_dim, qdim = (ptrdiff_t)m->n_heads * d;
     const int group = m->n_heads / m->n_kv, row0 = m->item_rows[item], len = m->item_lengths[item];
     const int start = m->item_starts[item];
     const int32_t *table = m->tables + (ptrdiff_t)item * m->table_stride;
     const ptrdiff_t item_bytes = m->kv_f16 ? 2 : 4, block_stride = (ptrdiff_t)m->n_kv * BASERT_KV_BLOCK * d;
-    for (int t = row0; t < row0 + len; t++) {
-        const ptrdiff_t p = start + (t - row0);
-        const float *c = m->cos + p * m->rope_half, *s = m->sin + p * m->rope_half;
-        float *k = m->k + t * kvdim + g * d;
-        if (l->k_norm) basert_rmsnorm_row(k, l->k_norm, m->eps, k, d);
-        basert_rope_row(k, c, s, m->rope_half, m->interleaved);
-        const float *v = m->v + t * kvdim + g * d;
-        const ptrdiff_t at = ((ptrdiff_t)table[p / BASERT_KV_BLOCK] * block_stride + (g * BASERT_KV_BLOCK + p % BASERT_KV_BLOCK) * d) * item_bytes;
-        if (m->kv_f16) {
-            basert_store_f16(k, (uint16_t *)(l->k_cache + at), d);
-            basert_store_f16(v, (uint16_t *)(l->v_cache + at), d);
-        } else {
-            memcpy(l->k_cache + at, k, (size_t)d * sizeof(float));
-            memcpy(l->v_cache + at, v, (size_t)d * sizeof(float));
-        }
-        for (int h = g * group; h < (g + 1) * group; h++) {
-            float *q = m->q + t * qdim + h * d;
-            if (l->q_norm) basert_rmsnorm_row(q, l->q_norm, m->eps, q, d);
-            basert_rope_row(q, c, s, m->rope_half, m->interleaved);
-        }
-    }
     const float *rows_q[BASERT_ATTN_MAX_ROWS];
     float *rows_out[BASERT_ATTN_MAX_ROWS];
     ptrdiff_t rows_pos[BASERT_ATTN_MAX_ROWS];
@@ -153,14 +184,9 @@ static void bg_chunk(void *ctx, int phase, int chunk, int member) {
     const bg_layer *l = &m->layers[phase / BG_PHASES_PER_LAYER];
     const float *h = bg_member_normed(m, member);
     switch (phase % BG_PHASES_PER_LAYER) {
-    case BG_QKV: {
-        /* Rows of the concatenation q | k | v. */
-        const ptrdiff_t nq = l->wq->n, nk = l->wk->n, r0 = chunk * m->qkv_rows, r1 = r0 + m->qkv_rows;
-        bg_rows(l->wq, h, m->dim, T, r0, r1, m->q, nq);
-        bg_rows(l->wk, h, m->dim, T, r0 > nq ? r0 - nq : 0, r1 - nq, m->k, nk);
-        bg_rows(l->wv, h, m->dim, T, r0 > nq + nk ? r0 - nq - nk : 0, r1 - nq - nk, m->v, nk);
+    case BG_QKV:
+        bg_qkv_rows(m, l, h, chunk * m->qkv_rows, (chunk + 1) * m->qkv_rows);
         break;
-    }
     case BG_ATTN:
         bg_attention_item(m, l, chunk / m->n_kv, chunk % m->n_kv, member);
         break;
@@ -211,7 +237,9 @@ static int bg_plan_step(bg_model *m, int32_t *chunks) {
 static void bg_plan_chunks(bg_model *m) {
     const bg_layer *l = &m->layers[0];
     const ptrdiff_t qkv = l->wq->n + l->wk->n + l->wv->n;
+    /* Whole heads per chunk, so a chunk can finish the heads it projects. */
     m->qkv_rows = bg_rows_per_chunk(qkv, m->n_members, 4);
+    m->qkv_rows = (m->qkv_rows + m->head_dim - 1) / m->head_dim * m->head_dim;
     m->qkv_chunks = bg_chunks_for(qkv, m->qkv_rows);
     m->o_rows = bg_rows_per_chunk(m->dim, m->n_members, 4);
     m->o_chunks = bg_chunks_for(m->dim, m->o_rows);

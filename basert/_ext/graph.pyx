@@ -244,8 +244,11 @@ cdef class DecodeGraph:
         self._ensure_team(n_threads)
         cdef Py_ssize_t covered = 0
         for i in range(n_items):
-            if rows[i] != covered or lengths[i] <= 0 or starts[i] < 0 or starts[i] + lengths[i] > m.max_pos:
+            if rows[i] != covered or lengths[i] <= 0 or covered + lengths[i] > T or starts[i] < 0 or starts[i] + lengths[i] > m.max_pos:
                 raise ValueError(f"item {i} does not continue the rows or leaves the context")
+            for b in range(lengths[i]):
+                if positions[covered + b] != starts[i] + b:
+                    raise ValueError(f"item {i}'s positions do not follow its start")
             covered += lengths[i]
             n_blocks = (starts[i] + lengths[i] + BASERT_KV_BLOCK - 1) // BASERT_KV_BLOCK
             if n_blocks > tables.shape[1]:
