@@ -11,6 +11,9 @@ from libc.string cimport memcpy
 cdef extern from "<stdlib.h>" nogil:
     void *aligned_alloc(size_t alignment, size_t size)
 
+cdef extern from "simd.h" nogil:
+    int basert_threads_for(Py_ssize_t elements)
+
 cdef extern from "matmul.h" nogil:
     enum:
         BASERT_F32
@@ -249,6 +252,8 @@ def embed_rows(Weight w not None, const int32_t[::1] ids, float[:, ::1] out):
     for i in range(count):
         if not 0 <= ids[i] < n:
             raise ValueError(f"id {ids[i]} at position {i} is out of range for {n} rows")
+    # A decode step's few rows are looked up on the calling thread: an OpenMP region would leave its workers
+    # spinning on the cores the decode graph's team is about to use.
     with nogil:
-        for i in prange(count, num_threads=_num_threads, schedule="static"):
+        for i in prange(count, num_threads=basert_threads_for(count * w.c.k), schedule="static"):
             basert_dequant_row(&w.c, ids[i], &out[i, 0])

@@ -79,13 +79,13 @@ def run_bench(path: Path, prompt_sizes: list[int], gen_sizes: list[int], repetit
         for depth in depths:
             context = rng.integers(0, engine.info.vocab_size, depth).tolist()
             at = f" @ d{depth}" if depth else ""
-            for n in prompt_sizes:
+            for n in (n for n in prompt_sizes if n > 0):   # 0 skips the test, as in llama-bench
                 tokens = rng.integers(0, engine.info.vocab_size, n).tolist()
                 for _ in range(warmup):
                     time_prefill(engine, context, tokens)
                 seconds = [time_prefill(engine, context, tokens) for _ in range(repetitions)]
                 results.append(BenchResult(f"pp{n}{at}", n, seconds))
-            for n in gen_sizes:
+            for n in (n for n in gen_sizes if n > 0):
                 first = rng.integers(0, engine.info.vocab_size, batch).tolist()
                 for _ in range(warmup):
                     time_decode(engine, context, n, first)
