@@ -3,10 +3,14 @@ reference, for float32 and float16 caches, plus bit-identical results however a 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
 from basert._ext import attention as attn
+from basert._ext import matmul
 
 BLOCK = 16
 
@@ -206,3 +210,161 @@ def test_kernels_reject_bad_tables_shapes_and_caches() -> None:
     with pytest.raises(ValueError, match="writable"):
         attn.kv_write(k_cache, v_cache, kv, kv, table, 0)
     attn.attention(q, k_cache, v_cache, table, 0, 1.0, out)
+
+
+SEG = attn.SEGMENT
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    """The kernels run on n OpenMP threads inside the block."""
+    before = matmul.get_num_threads()
+    matmul.set_num_threads(n)
+    try:
+        yield
+    finally:
+        matmul.set_num_threads(before)
+
+
+def as_bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def test_segment_is_a_multiple_of_the_cache_block() -> None:
+    assert SEG > 0 and SEG % BLOCK == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, SEG - 1, SEG, SEG + 1, 3 * SEG + 5, 4096])
+@pytest.mark.parametrize("H,n_kv,d", [(9, 3, 64), (4, 1, 20), (20, 1, 16)])
+def test_contexts_around_the_segment_length_match_reference(n: int, H: int, n_kv: int, d: int, dtype: type) -> None:
+    """Three sequences in one call: the last tokens of an n-position prompt, a decode at n, one at n // 2 + 1."""
+    rng = np.random.default_rng(n * 31 + H + d)
+    shapes = [(max(0, n - 3), min(n, 3)), (n - 1, 1), (n // 2, 1)]
+    per_seq = -(-n // BLOCK)
+    n_blocks = 3 * per_seq + 2
+    blocks = rng.permutation(n_blocks).astype(np.int32)
+    tables = np.stack([blocks[i * per_seq: (i + 1) * per_seq] for i in range(3)])
+    k_cache, v_cache = new_cache(n_blocks, n_kv, d, dtype)
+    seqs = []
+    for i, (cached, n_new) in enumerate(shapes):
+        k, v = (f32(rng.standard_normal((cached + n_new, n_kv, d)) * s) for s in (2, 1))
+        attn.kv_write(k_cache, v_cache, k, v, tables[i], 0)
+        seqs.append((f32(rng.standard_normal((n_new, H, d))), k, v))
+    q = np.concatenate([s[0] for s in seqs])
+    lengths = np.array([n_new for _, n_new in shapes], dtype=np.int32)
+    rows = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
+    starts = np.array([cached for cached, _ in shapes], dtype=np.int32)
+    out = np.zeros_like(q)
+    scale = d**-0.5
+    attn.attention_batch(q, k_cache, v_cache, tables, rows, lengths, starts, scale, out)
+    for i, (qi, k, v) in enumerate(seqs):
+        expected = attention_reference(qi, k.astype(dtype), v.astype(dtype), int(starts[i]), scale)
+        got = out[rows[i]: rows[i] + lengths[i]]
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=f"sequence {i}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_long_rows_are_bit_identical_however_they_are_computed(dtype: type) -> None:
+    """Whole prompt, token by token (decode: segments of one row spread over threads, then merged),
+    random chunks, 1 or 2 threads: every token's output has the same bits."""
+    rng = np.random.default_rng(72)
+    n, H, n_kv, d = 3 * SEG + 5, 9, 3, 64
+    q, k, v = (f32(rng.standard_normal((n, h, d))) for h in (H, n_kv, n_kv))
+    n_blocks = -(-n // BLOCK) + 3
+    with threads(2):
+        whole = run_chunks(q, k, v, [n], shuffled_blocks(rng, n, n_blocks), n_blocks, dtype)
+        assert np.array_equal(as_bits(run_chunks(q, k, v, [1] * n, shuffled_blocks(rng, n, n_blocks), n_blocks, dtype)),
+                              as_bits(whole))
+        cuts = np.sort(rng.choice(np.arange(1, n), size=6, replace=False))
+        chunks = np.diff(np.concatenate([[0], cuts, [n]])).tolist()
+        assert np.array_equal(as_bits(run_chunks(q, k, v, chunks, shuffled_blocks(rng, n, n_blocks), n_blocks, dtype)),
+                              as_bits(whole))
+    with threads(1):
+        for split in ([n], [n - 40] + [1] * 40):
+            got = run_chunks(q, k, v, split, shuffled_blocks(rng, n, n_blocks), n_blocks, dtype)
+            assert np.array_equal(as_bits(got), as_bits(whole)), split
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_a_long_decode_row_has_its_bits_in_any_batch(dtype: type, n_threads: int) -> None:
+    """A decode row at depth 2S + 9 alone, beside other decodes, beside a long prefill chunk (so the call
+    no longer splits rows into segments), and among many sequences."""
+    rng = np.random.default_rng(73)
+    H, n_kv, d = 9, 3, 64
+    depths = [2 * SEG + 9, 5, SEG + 1, 3 * SEG, 40, 2 * SEG + 9]
+    per_seq = -(-(3 * SEG + 1) // BLOCK)
+    n_blocks = per_seq * len(depths)
+    tables = rng.permutation(n_blocks).astype(np.int32).reshape(len(depths), per_seq)
+    k_cache, v_cache = new_cache(n_blocks, n_kv, d, dtype)
+    for i, depth in enumerate(depths):
+        k, v = (f32(rng.standard_normal((depth + 1, n_kv, d))) for _ in range(2))
+        attn.kv_write(k_cache, v_cache, k, v, tables[i], 0)
+    q = f32(rng.standard_normal((len(depths), H, d)))
+    prefill = f32(rng.standard_normal((40, H, d)))
+
+    def run(members: list[int], prefill_rows: int = 0) -> np.ndarray:
+        """Decode rows of the given sequences (then prefill_rows of sequence 3's prompt end) in one call."""
+        qs = [q[i: i + 1] for i in members]
+        lengths = [1] * len(members)
+        starts = [depths[i] for i in members]
+        table = [tables[i] for i in members]
+        if prefill_rows:
+            qs.append(prefill[:prefill_rows])
+            lengths.append(prefill_rows)
+            starts.append(depths[3] + 1 - prefill_rows)
+            table.append(tables[3])
+        q_all = np.concatenate(qs)
+        out = np.zeros_like(q_all)
+        lengths_arr = np.array(lengths, dtype=np.int32)
+        rows = np.concatenate([[0], np.cumsum(lengths_arr)[:-1]]).astype(np.int32)
+        attn.attention_batch(q_all, k_cache, v_cache, np.stack(table), rows, lengths_arr,
+                             np.array(starts, dtype=np.int32), 0.125, out)
+        return out
+
+    with threads(n_threads):
+        alone = run([0])[0]
+        for members, prefill_rows in (([1, 0, 2], 0), ([0], 40), ([4, 2, 0, 1], 7), ([5, 0, 1, 2, 3, 4], 0)):
+            together = run(members, prefill_rows)
+            assert np.array_equal(as_bits(together[members.index(0)]), as_bits(alone)), members
+    with threads(3 - n_threads):
+        assert np.array_equal(as_bits(run([0])[0]), as_bits(alone))
+    # Sequences 0 and 5 hold different keys at the same depth: equal bits here would mean a mix-up.
+    assert not np.array_equal(run([5])[0], alone)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n", [7, SEG, SEG + 1, 3 * SEG + 5])
+def test_segment_partials_merged_in_order_give_the_output(n: int, dtype: type) -> None:
+    """The executor's building blocks: partials of each segment (computed beside other rows of the kv head,
+    which end earlier or later), merged in segment order, equal attention's output bit for bit; a single
+    segment is acc * (1 / sum) exactly, today's arithmetic."""
+    rng = np.random.default_rng(n)
+    n_kv, d, kv_head = 2, 32, 1
+    q = f32(rng.standard_normal((4, d)))
+    k, v = (f32(rng.standard_normal((n + 300, n_kv, d))) for _ in range(2))
+    n_blocks = -(-(n + 300) // BLOCK)
+    table = shuffled_blocks(rng, n + 300, n_blocks)
+    k_cache, v_cache = new_cache(n_blocks, n_kv, d, dtype)
+    attn.kv_write(k_cache, v_cache, k, v, table, 0)
+    # The row's output from attention: query head kv_head of one token at position n - 1 (one kv head per head).
+    q_heads = np.zeros((1, n_kv, d), dtype=np.float32)
+    q_heads[0, kv_head] = q[0]
+    out = np.empty_like(q_heads)
+    attn.attention(q_heads, k_cache, v_cache, table, n - 1, 0.2, out)
+    n_pos = np.array([n, 3, n + 300, max(1, n - 20)], dtype=np.intp)
+    parts = [attn.segment_partials(q, k_cache, v_cache, kv_head, table, n_pos, p0, min(p0 + SEG, int(n_pos.max())), 0.2)
+             for p0 in range(0, n, SEG)]
+    alone = [attn.segment_partials(q[:1], k_cache, v_cache, kv_head, table, n_pos[:1], p0, min(p0 + SEG, n), 0.2)
+             for p0 in range(0, n, SEG)]
+    top, total, acc = (np.array([p[j][0] for p in parts]) for j in range(3))
+    for j in range(3):
+        assert np.array_equal(as_bits(np.array([p[j][0] for p in alone])), as_bits([p[j][0] for p in parts]))
+    merged = attn.merge_partials(f32(top), f32(total), f32(acc))
+    assert np.array_equal(as_bits(merged), as_bits(out[0, kv_head]))
+    if n <= SEG:
+        assert np.array_equal(as_bits(acc[0] * (np.float32(1) / total[0])), as_bits(out[0, kv_head]))
+    # Row 1 ends at position 3: segments after the first leave its partials untouched.
+    assert all(np.isnan(p[0][1]) for p in parts[1:])
+    assert np.isfinite(parts[0][2][1]).all()

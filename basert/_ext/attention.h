@@ -1,7 +1,35 @@
-/* Causal attention of one query row over a paged KV cache (blocks of 16 positions), with float32 or
- * float16 cache entries. Positions are always visited in order 0..n-1 and every dot product uses
- * the fixed 8-lane reduction of simd.h, so a token's output depends only on its query and the cache
- * contents, never on how the prompt was split into calls. */
+/* Causal attention of query rows over a paged KV cache (blocks of 16 positions), with float32 or
+ * float16 cache entries.
+ *
+ * Fixed arithmetic. A query row that sees positions 0 .. n-1 is computed as ceil(n / S) segments
+ * [jS, min((j+1)S, n)), S = BASERT_ATTN_SEGMENT. Segment j yields a partial: top_j = the max of its
+ * scores s_p = scale * q.k_p, sum_j = the sum of exp(s_p - top_j) and acc_j[e] = the sum of
+ * exp(s_p - top_j) * v_p[e], each over its positions in order (dot products and the exp sum with the
+ * fixed 8-lane reductions of simd.h, the V sum one fmaf per position). The partials are folded in
+ * segment order (basert_attend_fold), then out = acc * (1 / sum): with a single segment this is
+ * acc_0 * (1 / sum_0) exactly. Whoever computes a segment, on whatever thread, grouped with whatever
+ * other rows, a row's partials and hence its output bits are the same: a token's output depends only
+ * on its query and the cache contents, never on batching, prompt splits or thread counts.
+ *
+ * Building blocks (static, for any module that includes this header; no allocation, no threads):
+ *   basert_attend_segment(n_rows, q, n_pos, p0, p1, k, v, kv_f16, block_table, block_stride, d, scale,
+ *                         scores, top, sum, acc)
+ *       the partials of segment [p0, p1) (p0 = jS, p1 = min(p0 + S, max n_pos)) for n_rows query rows
+ *       of one kv head: q[r] the row's d floats, n_pos[r] the positions it sees (rows with
+ *       n_pos[r] <= p0 are skipped and their outputs untouched; rows with n_pos[r] < p1 stop there).
+ *       k, v point at that kv head's rows in cache block 0 (float, or uint16_t halves when kv_f16);
+ *       block_table[i] is the cache block of positions 16i .. 16i+15, block_stride the elements per
+ *       cache block. Writes top[r], sum[r] and acc[r][0..d); scores is scratch of
+ *       n_rows * BASERT_ATTN_SEGMENT floats. Any n_rows; rows of different kv heads need separate calls.
+ *   basert_attend_merge(n_segments, top, sum, acc, acc_stride, d, out)
+ *       one row's output from its n_segments = ceil(n / S) partials: top[j], sum[j],
+ *       acc[j * acc_stride .. + d).
+ *   basert_attend_fold(&top, &sum, acc, top_j, sum_j, acc_j, d)
+ *       one step of that merge, for callers that fold as segments complete.
+ *   basert_attend_rows(n_rows, q, n_pos, k, v, kv_f16, block_table, block_stride, d, scale, scratch, out)
+ *       whole rows on the calling thread (prefill), same bits as segments + merge; n_rows <=
+ *       BASERT_ATTN_MAX_ROWS, scratch of BASERT_ATTN_ROWS_SCRATCH(n_rows, d) floats.
+ * Rows of one kv head attended together share every K and V row they both see, read once. */
 #ifndef BASERT_ATTENTION_H
 #define BASERT_ATTENTION_H
 
@@ -10,6 +38,9 @@
 #include "simd.h"
 
 #define BASERT_KV_BLOCK 16
+
+/* Positions per segment: a multiple of the cache block. */
+#define BASERT_ATTN_SEGMENT 256
 
 /* IEEE half -> float, exactly as F16C converts. */
 static inline float basert_f16_to_f32(uint16_t h) {
@@ -201,36 +232,36 @@ static void basert_weighted_rows_all(const float *weights, ptrdiff_t n, const fl
 }
 #endif
 
-/* out[r][0..d) = softmax(scale * q[r].k_p for p < n_pos[r]) . v_p for n_rows query rows of one kv
- * head. k and v point at that head's rows in block 0 (float or uint16_t as kv_f16 says);
- * block_stride = elements per cache block; scores holds n_rows * score_stride floats of scratch.
- * Each row's arithmetic is the same whatever rows it is grouped with (its dot products, softmax sum
- * and weighted sum of V run in a fixed order over its own positions), so results never depend on
- * batching or on how a prompt was split. The SIMD build computes 8 positions' dot products at once
- * and keeps each row's weighted sum of V in registers; both are the same operations in the same
- * order as the one-position-at-a-time loops that remain for the scalar build and the edges. */
-static inline void basert_attend_rows(int n_rows, const float *const *q, const ptrdiff_t *n_pos, const void *k,
-                                      const void *v, int kv_f16, const int32_t *block_table, ptrdiff_t block_stride,
-                                      ptrdiff_t d, float scale, float *scores, ptrdiff_t score_stride,
-                                      float *const *out) {
-    float top[BASERT_ATTN_MAX_ROWS];
-    ptrdiff_t n_max = 0;
+/* Partial of one segment: for each row r with n_pos[r] > p0, over its positions p0 .. e_r - 1
+ * (e_r = min(p1, n_pos[r])): top[r] = max of s_p = scale * q[r].k_p, sum[r] = sum of exp(s_p - top[r])
+ * and acc[r][0..d) = sum of exp(s_p - top[r]) * v_p, each in position order (see the top of this file).
+ * Rows with n_pos[r] <= p0 are left untouched. p0 is a multiple of 8; scores holds
+ * n_rows * BASERT_ATTN_SEGMENT floats; p1 - p0 <= BASERT_ATTN_SEGMENT. */
+static void basert_attend_segment(int n_rows, const float *const *q, const ptrdiff_t *n_pos, ptrdiff_t p0, ptrdiff_t p1,
+                                  const void *k, const void *v, int kv_f16, const int32_t *block_table,
+                                  ptrdiff_t block_stride, ptrdiff_t d, float scale, float *scores, float *top,
+                                  float *sum, float *const *acc) {
+    const ptrdiff_t S = BASERT_ATTN_SEGMENT;
+    ptrdiff_t end = p0; /* the furthest position any row needs in this segment */
+    for (int r = 0; r < n_rows; r++) {
+        if (n_pos[r] <= p0) continue;
+        top[r] = -INFINITY;
+        const ptrdiff_t e = n_pos[r] < p1 ? n_pos[r] : p1;
+        if (e > end) end = e;
+    }
 #if defined(BASERT_SIMD)
     float buf[BASERT_ATTN_BUF_FLOATS];
     const int fast = (d & 7) == 0 && 8 * d <= BASERT_ATTN_BUF_FLOATS;
 #endif
-    for (int r = 0; r < n_rows; r++) {
-        top[r] = -INFINITY;
-        if (n_pos[r] > n_max) n_max = n_pos[r];
-    }
-    for (ptrdiff_t p = 0; p < n_max;) {
-        ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
+    for (ptrdiff_t p = p0; p < end;) {
+        const ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
 #if defined(BASERT_SIMD)
         /* Positions p .. p + 7 lie in one block (8 divides the block size and p is a multiple of 8). */
-        if (fast && (p & 7) == 0 && p + 8 <= n_max) {
+        if (fast && (p & 7) == 0 && p + 8 <= end) {
             basert_gather_rows(k, kv_f16, block_table, block_stride, d, p, p + 8, buf);
             for (int r = 0; r < n_rows; r++) {
-                float *s = scores + r * score_stride + p;
+                if (p >= n_pos[r]) continue;
+                float *s = scores + r * S + (p - p0);
                 if (p + 8 <= n_pos[r]) {
                     _mm256_storeu_ps(s, basert_scores8(q[r], buf, d, scale));
                     for (int j = 0; j < 8; j++)
@@ -251,42 +282,103 @@ static inline void basert_attend_rows(int n_rows, const float *const *q, const p
             if (p >= n_pos[r]) continue;
             float s = kv_f16 ? basert_dot_f16(q[r], (const uint16_t *)k + row, d) : basert_dot(q[r], (const float *)k + row, d);
             s *= scale;
-            scores[r * score_stride + p] = s;
+            scores[r * S + (p - p0)] = s;
             if (s > top[r]) top[r] = s;
         }
         p++;
     }
-    float inv_sum[BASERT_ATTN_MAX_ROWS];
     for (int r = 0; r < n_rows; r++) {
-        inv_sum[r] = 1.0f / basert_exp_shifted_sum(scores + r * score_stride, top[r], n_pos[r]);
-        memset(out[r], 0, (size_t)d * sizeof(float));
+        if (n_pos[r] <= p0) continue;
+        sum[r] = basert_exp_shifted_sum(scores + r * S, top[r], (n_pos[r] < p1 ? n_pos[r] : p1) - p0);
+        memset(acc[r], 0, (size_t)d * sizeof(float));
     }
 #if defined(BASERT_SIMD)
     if (d <= BASERT_ATTN_BUF_FLOATS) {
         const ptrdiff_t chunk = BASERT_ATTN_BUF_FLOATS / d;
-        for (ptrdiff_t p0 = 0; p0 < n_max; p0 += chunk) {
-            const ptrdiff_t p1 = p0 + chunk < n_max ? p0 + chunk : n_max;
-            basert_gather_rows(v, kv_f16, block_table, block_stride, d, p0, p1, buf);
+        for (ptrdiff_t c0 = p0; c0 < end; c0 += chunk) {
+            const ptrdiff_t c1 = c0 + chunk < end ? c0 + chunk : end;
+            basert_gather_rows(v, kv_f16, block_table, block_stride, d, c0, c1, buf);
             for (int r = 0; r < n_rows; r++)
-                if (p0 < n_pos[r])
-                    basert_weighted_rows_all(scores + r * score_stride + p0, (p1 < n_pos[r] ? p1 : n_pos[r]) - p0, buf, d,
-                                             out[r]);
+                if (c0 < n_pos[r])
+                    basert_weighted_rows_all(scores + r * S + (c0 - p0), (c1 < n_pos[r] ? c1 : n_pos[r]) - c0, buf, d,
+                                             acc[r]);
         }
-        for (int r = 0; r < n_rows; r++) basert_scale(inv_sum[r], out[r], d);
         return;
     }
 #endif
-    for (ptrdiff_t p = 0; p < n_max; p++) {
-        ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
+    for (ptrdiff_t p = p0; p < end; p++) {
+        const ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
         for (int r = 0; r < n_rows; r++) {
             if (p >= n_pos[r]) continue;
             if (kv_f16)
-                basert_axpy_f16(scores[r * score_stride + p], (const uint16_t *)v + row, out[r], d);
+                basert_axpy_f16(scores[r * S + (p - p0)], (const uint16_t *)v + row, acc[r], d);
             else
-                basert_axpy(scores[r * score_stride + p], (const float *)v + row, out[r], d);
+                basert_axpy(scores[r * S + (p - p0)], (const float *)v + row, acc[r], d);
         }
     }
-    for (int r = 0; r < n_rows; r++) basert_scale(inv_sum[r], out[r], d);
+}
+
+/* Folds the partial (top_j, sum_j, acc_j) of the next segment into a row's running state (*top, *sum,
+ * acc[0..d)), which holds the fold of all earlier segments (segment 0's partial as it is):
+ *   m = max(*top, top_j), a = exp(*top - m), b = exp(top_j - m),
+ *   *sum = fmaf(sum_j, b, *sum * a), acc[e] = fmaf(acc_j[e], b, acc[e] * a), *top = m. */
+static inline void basert_attend_fold(float *top, float *sum, float *acc, float top_j, float sum_j, const float *acc_j,
+                                      ptrdiff_t d) {
+    const float m = top_j > *top ? top_j : *top;
+    const float a = basert_expf(*top - m), b = basert_expf(top_j - m);
+    ptrdiff_t e = 0;
+#if defined(BASERT_SIMD)
+    const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+    for (; e + 8 <= d; e += 8)
+        _mm256_storeu_ps(acc + e, _mm256_fmadd_ps(_mm256_loadu_ps(acc_j + e), vb, _mm256_mul_ps(_mm256_loadu_ps(acc + e), va)));
+#endif
+    for (; e < d; e++) acc[e] = fmaf(acc_j[e], b, acc[e] * a);
+    *sum = fmaf(sum_j, b, *sum * a);
+    *top = m;
+}
+
+/* One row's output from the partials of its n_segments segments, in segment order: segment j's
+ * partial is top[j], sum[j] and acc[j * acc_stride .. + d). out = fold of them all * (1 / its sum);
+ * with one segment, out = acc[0] * (1 / sum[0]). out must not overlap the partials. */
+static inline void basert_attend_merge(int n_segments, const float *top, const float *sum, const float *acc,
+                                       ptrdiff_t acc_stride, ptrdiff_t d, float *out) {
+    float m = top[0], l = sum[0];
+    memcpy(out, acc, (size_t)d * sizeof(float));
+    for (int j = 1; j < n_segments; j++) basert_attend_fold(&m, &l, out, top[j], sum[j], acc + j * acc_stride, d);
+    basert_scale(1.0f / l, out, d);
+}
+
+/* Floats of scratch basert_attend_rows needs for n_rows rows of head dim d. */
+#define BASERT_ATTN_ROWS_SCRATCH(n_rows, d) ((ptrdiff_t)(n_rows) * (BASERT_ATTN_SEGMENT + (d)))
+
+/* out[r][0..d) = softmax(scale * q[r].k_p for p < n_pos[r]) . v_p for n_rows <= BASERT_ATTN_MAX_ROWS
+ * query rows of one kv head, on the calling thread: segment after segment, each folded into out[r]
+ * as it completes, which is basert_attend_merge of the same partials, bit for bit. scratch holds
+ * BASERT_ATTN_ROWS_SCRATCH(n_rows, d) floats. */
+static inline void basert_attend_rows(int n_rows, const float *const *q, const ptrdiff_t *n_pos, const void *k,
+                                      const void *v, int kv_f16, const int32_t *block_table, ptrdiff_t block_stride,
+                                      ptrdiff_t d, float scale, float *scratch, float *const *out) {
+    float top[BASERT_ATTN_MAX_ROWS], sum[BASERT_ATTN_MAX_ROWS], top_j[BASERT_ATTN_MAX_ROWS], sum_j[BASERT_ATTN_MAX_ROWS];
+    float *acc_j[BASERT_ATTN_MAX_ROWS];
+    float *scores = scratch, *parts = scratch + (ptrdiff_t)n_rows * BASERT_ATTN_SEGMENT;
+    ptrdiff_t n_max = 0;
+    for (int r = 0; r < n_rows; r++) {
+        acc_j[r] = parts + r * d;
+        if (n_pos[r] > n_max) n_max = n_pos[r];
+    }
+    if (n_max == 0) return;
+    /* Segment 0 writes its partial straight into the running state. */
+    basert_attend_segment(n_rows, q, n_pos, 0, n_max < BASERT_ATTN_SEGMENT ? n_max : BASERT_ATTN_SEGMENT, k, v, kv_f16,
+                          block_table, block_stride, d, scale, scores, top, sum, out);
+    for (ptrdiff_t p0 = BASERT_ATTN_SEGMENT; p0 < n_max; p0 += BASERT_ATTN_SEGMENT) {
+        const ptrdiff_t p1 = p0 + BASERT_ATTN_SEGMENT < n_max ? p0 + BASERT_ATTN_SEGMENT : n_max;
+        basert_attend_segment(n_rows, q, n_pos, p0, p1, k, v, kv_f16, block_table, block_stride, d, scale, scores, top_j,
+                              sum_j, acc_j);
+        for (int r = 0; r < n_rows; r++)
+            if (n_pos[r] > p0) basert_attend_fold(&top[r], &sum[r], out[r], top_j[r], sum_j[r], acc_j[r], d);
+    }
+    for (int r = 0; r < n_rows; r++)
+        if (n_pos[r] > 0) basert_scale(1.0f / sum[r], out[r], d);
 }
 
 #endif

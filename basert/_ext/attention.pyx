@@ -1,15 +1,16 @@
 # cython: language_level=3
 """Paged KV cache writes and causal GQA attention over it (blocks of 16 positions; float32 or
-float16 cache entries; GIL released; groups of query rows sharing a kv head in parallel)."""
+float16 cache entries; GIL released). Groups of query rows sharing a kv head run in parallel; when there
+are too few groups for the threads (decode), each group's position segments run in parallel and are
+merged after, with the same bits as one thread doing the whole row (see attention.h)."""
 
 import numpy as np
 cimport numpy as cnp
-from cython.parallel cimport parallel, prange
+from cython.parallel cimport parallel, prange, threadid
 
 cdef extern from "simd.h" nogil:
     int basert_threads_for(Py_ssize_t elements)
 from libc.stdint cimport int32_t, uint16_t
-from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 cnp.import_array()
@@ -17,10 +18,54 @@ cnp.import_array()
 cdef extern from "attention.h" nogil:
     const int BASERT_KV_BLOCK
     void basert_store_f16(const float *x, uint16_t *dst, Py_ssize_t n)
-    const int BASERT_ATTN_MAX_ROWS
+    enum: BASERT_ATTN_MAX_ROWS
+    enum: BASERT_ATTN_SEGMENT
+    Py_ssize_t BASERT_ATTN_ROWS_SCRATCH(Py_ssize_t n_rows, Py_ssize_t d)
+    void basert_attend_segment(int n_rows, const float *const *q, const Py_ssize_t *n_pos, Py_ssize_t p0,
+                               Py_ssize_t p1, const void *k, const void *v, int kv_f16, const int32_t *block_table,
+                               Py_ssize_t block_stride, Py_ssize_t d, float scale, float *scores, float *top,
+                               float *sum, float *const *acc)
+    void basert_attend_merge(int n_segments, const float *top, const float *sum, const float *acc,
+                             Py_ssize_t acc_stride, Py_ssize_t d, float *out)
     void basert_attend_rows(int n_rows, const float *const *q, const Py_ssize_t *n_pos, const void *k, const void *v,
                             int kv_f16, const int32_t *block_table, Py_ssize_t block_stride, Py_ssize_t d,
-                            float scale, float *scores, Py_ssize_t score_stride, float *const *out)
+                            float scale, float *scratch, float *const *out)
+
+cdef extern from *:
+    """
+    /* Scratch kept from one attention call to the next (grown, never shrunk), so that a decode step
+     * allocates nothing. A call made while another thread holds it gets a buffer of its own. */
+    static float *basert_attn_pool = NULL;
+    static size_t basert_attn_pool_floats = 0;
+    static char basert_attn_pool_busy = 0;
+
+    static float *basert_attn_scratch_take(size_t n, int *owned) {
+        if (!__atomic_test_and_set(&basert_attn_pool_busy, __ATOMIC_ACQUIRE)) {
+            if (basert_attn_pool_floats < n) {
+                size_t grown = n + n / 2;
+                free(basert_attn_pool);
+                basert_attn_pool = (float *)malloc(grown * sizeof(float));
+                basert_attn_pool_floats = basert_attn_pool ? grown : 0;
+            }
+            if (basert_attn_pool) {
+                *owned = 0;
+                return basert_attn_pool;
+            }
+            __atomic_clear(&basert_attn_pool_busy, __ATOMIC_RELEASE);
+        }
+        *owned = 1;
+        return (float *)malloc(n * sizeof(float));
+    }
+
+    static void basert_attn_scratch_give(float *scratch, int owned) {
+        if (owned)
+            free(scratch);
+        else
+            __atomic_clear(&basert_attn_pool_busy, __ATOMIC_RELEASE);
+    }
+    """
+    float *basert_attn_scratch_take(size_t n, int *owned) nogil
+    void basert_attn_scratch_give(float *scratch, int owned) nogil
 
 
 cdef bint _check_cache(k_cache, v_cache, bint writable) except -1:
@@ -113,6 +158,106 @@ def attention(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[::1] blo
                     np.array([q.shape[0]], dtype=np.int32), np.array([start_pos], dtype=np.int32), scale, out)
 
 
+cdef struct Plan:
+    # Work units: a tile of consecutive tokens of one sequence x a chunk of the query heads of one kv
+    # head, at most BASERT_ATTN_MAX_ROWS rows, attended together so each K/V row is loaded once for all.
+    const float *q
+    float *out
+    Py_ssize_t H, d
+    const int32_t *rows
+    const int32_t *lengths
+    const int32_t *starts
+    const int32_t *tables
+    Py_ssize_t table_stride
+    const int32_t *tile_seq
+    const int32_t *tile_row
+    Py_ssize_t group, heads_per_chunk, chunks_per_group, tokens_per_item, per_tile
+    const char *kc
+    const char *vc
+    Py_ssize_t item, block_stride
+    int f16
+    float scale
+    # Segment partials (split plans): unit u's row r keeps max_seg tops, max_seg sums, then max_seg
+    # accumulators of d floats, at parts + (u * BASERT_ATTN_MAX_ROWS + r) * max_seg * (d + 2).
+    float *parts
+    Py_ssize_t max_seg
+
+
+cdef int _unit_rows(const Plan *pl, Py_ssize_t u, const float **rows_q, float **rows_out, Py_ssize_t *rows_pos,
+                    const int32_t **table, Py_ssize_t *head_offset) noexcept nogil:
+    """The query rows of unit u, with their output rows and positions seen; returns their count."""
+    cdef Py_ssize_t tile = u // pl.per_tile, s = pl.tile_seq[tile], t0 = pl.tile_row[tile], t, h
+    cdef Py_ssize_t t1 = min(pl.rows[s] + pl.lengths[s], t0 + pl.tokens_per_item)
+    cdef Py_ssize_t kv_head = (u % pl.per_tile) // pl.chunks_per_group, chunk = (u % pl.per_tile) % pl.chunks_per_group
+    cdef Py_ssize_t h0 = kv_head * pl.group + chunk * pl.heads_per_chunk
+    cdef Py_ssize_t h1 = min(h0 + pl.heads_per_chunk, (kv_head + 1) * pl.group)
+    cdef int n = 0
+    for t in range(t0, t1):
+        for h in range(h0, h1):
+            rows_q[n] = pl.q + (t * pl.H + h) * pl.d
+            rows_out[n] = pl.out + (t * pl.H + h) * pl.d
+            rows_pos[n] = pl.starts[s] + (t - pl.rows[s]) + 1
+            n += 1
+    table[0] = pl.tables + s * pl.table_stride
+    head_offset[0] = kv_head * BASERT_KV_BLOCK * pl.d * pl.item
+    return n
+
+
+cdef void _attend_unit(const Plan *pl, Py_ssize_t u, float *scratch) noexcept nogil:
+    """Unit u's rows, whole, on this thread."""
+    cdef const float *rows_q[BASERT_ATTN_MAX_ROWS]
+    cdef float *rows_out[BASERT_ATTN_MAX_ROWS]
+    cdef Py_ssize_t rows_pos[BASERT_ATTN_MAX_ROWS]
+    cdef const int32_t *table
+    cdef Py_ssize_t head_offset
+    cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_offset)
+    basert_attend_rows(n, rows_q, rows_pos, pl.kc + head_offset, pl.vc + head_offset, pl.f16, table,
+                       pl.block_stride, pl.d, pl.scale, scratch, rows_out)
+
+
+cdef void _attend_unit_segment(const Plan *pl, Py_ssize_t u, Py_ssize_t j, float *scratch) noexcept nogil:
+    """The partials of segment j of unit u's rows (nothing for rows that end before it)."""
+    cdef const float *rows_q[BASERT_ATTN_MAX_ROWS]
+    cdef float *rows_out[BASERT_ATTN_MAX_ROWS]
+    cdef float *acc[BASERT_ATTN_MAX_ROWS]
+    cdef float top[BASERT_ATTN_MAX_ROWS]
+    cdef float total[BASERT_ATTN_MAX_ROWS]
+    cdef Py_ssize_t rows_pos[BASERT_ATTN_MAX_ROWS]
+    cdef const int32_t *table
+    cdef Py_ssize_t head_offset, n_max = 0, p0 = j * BASERT_ATTN_SEGMENT, p1
+    cdef Py_ssize_t row_floats = pl.max_seg * (pl.d + 2)
+    cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_offset), r
+    cdef float *part
+    for r in range(n):
+        n_max = max(n_max, rows_pos[r])
+        acc[r] = pl.parts + (u * BASERT_ATTN_MAX_ROWS + r) * row_floats + 2 * pl.max_seg + j * pl.d
+    if p0 >= n_max:
+        return
+    p1 = min(p0 + BASERT_ATTN_SEGMENT, n_max)
+    basert_attend_segment(n, rows_q, rows_pos, p0, p1, pl.kc + head_offset, pl.vc + head_offset, pl.f16, table,
+                          pl.block_stride, pl.d, pl.scale, scratch, top, total, acc)
+    for r in range(n):
+        if rows_pos[r] > p0:
+            part = pl.parts + (u * BASERT_ATTN_MAX_ROWS + r) * row_floats
+            part[j] = top[r]
+            part[pl.max_seg + j] = total[r]
+
+
+cdef void _merge_unit(const Plan *pl, Py_ssize_t u) noexcept nogil:
+    """Unit u's outputs from the partials of all their segments."""
+    cdef const float *rows_q[BASERT_ATTN_MAX_ROWS]
+    cdef float *rows_out[BASERT_ATTN_MAX_ROWS]
+    cdef Py_ssize_t rows_pos[BASERT_ATTN_MAX_ROWS]
+    cdef const int32_t *table
+    cdef Py_ssize_t head_offset, row_floats = pl.max_seg * (pl.d + 2)
+    cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_offset), r
+    cdef float *part
+    for r in range(n):
+        part = pl.parts + (u * BASERT_ATTN_MAX_ROWS + r) * row_floats
+        basert_attend_merge((rows_pos[r] + BASERT_ATTN_SEGMENT - 1) // BASERT_ATTN_SEGMENT, part, part + pl.max_seg,
+                            part + 2 * pl.max_seg, pl.d, pl.d, rows_out[r])
+
+
 def attention_batch(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[:, ::1] tables,
                     const int32_t[::1] rows, const int32_t[::1] lengths, const int32_t[::1] starts, float scale,
                     float[:, :, ::1] out):
@@ -128,67 +273,114 @@ def attention_batch(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[:,
     if n_kv == 0 or H % n_kv:
         raise ValueError(f"{H} query heads cannot share {n_kv} kv heads")
     _check_items(tables, rows, lengths, starts, T, k_cache.shape[0], False)
-    cdef Py_ssize_t n_seq = tables.shape[0], s, n_max = 0, n_tiles = 0
-    cdef const char *kc = <const char *> cnp.PyArray_DATA(k_cache)
-    cdef const char *vc = <const char *> cnp.PyArray_DATA(v_cache)
-    cdef Py_ssize_t item = 2 if f16 else 4, group = H // n_kv
-    cdef Py_ssize_t block_stride = n_kv * BASERT_KV_BLOCK * d
-    # Work items: a tile of consecutive tokens of one sequence x a chunk of the query heads of one kv
-    # head, at most BASERT_ATTN_MAX_ROWS rows, attended together so each K/V row is loaded once for all.
-    cdef Py_ssize_t heads_per_chunk = min(group, BASERT_ATTN_MAX_ROWS)
-    cdef Py_ssize_t chunks_per_group = (group + heads_per_chunk - 1) // heads_per_chunk
-    cdef Py_ssize_t tokens_per_item = max(1, BASERT_ATTN_MAX_ROWS // heads_per_chunk)
-    cdef Py_ssize_t per_tile = n_kv * chunks_per_group
+    cdef Plan pl
+    cdef Py_ssize_t n_seq = tables.shape[0], s, r, n_max = 0, n_tiles = 0, tile = 0
+    pl.group = H // n_kv
+    pl.heads_per_chunk = min(pl.group, BASERT_ATTN_MAX_ROWS)
+    pl.chunks_per_group = (pl.group + pl.heads_per_chunk - 1) // pl.heads_per_chunk
+    pl.tokens_per_item = max(1, BASERT_ATTN_MAX_ROWS // pl.heads_per_chunk)
+    pl.per_tile = n_kv * pl.chunks_per_group
     for s in range(n_seq):
         n_max = max(n_max, starts[s] + lengths[s])
-        n_tiles += (lengths[s] + tokens_per_item - 1) // tokens_per_item
+        n_tiles += (lengths[s] + pl.tokens_per_item - 1) // pl.tokens_per_item
     if n_tiles == 0:
         return
-    tile_seq_array = np.empty(n_tiles, dtype=np.int32)
-    tile_row_array = np.empty(n_tiles, dtype=np.int32)
-    cdef int32_t[::1] tile_seq = tile_seq_array, tile_row = tile_row_array
-    cdef Py_ssize_t tile = 0, r
+    cdef Py_ssize_t n_units = pl.per_tile * n_tiles, u, i
+    cdef int nt = basert_threads_for(T * H * n_max * d)
+    # Too few units to keep the threads busy (decode): split them into position segments too.
+    cdef bint split = nt > 1 and n_max > BASERT_ATTN_SEGMENT and n_units < 8 * nt
+    pl.max_seg = (n_max + BASERT_ATTN_SEGMENT - 1) // BASERT_ATTN_SEGMENT if split else 0
+    cdef Py_ssize_t per_thread = BASERT_ATTN_ROWS_SCRATCH(BASERT_ATTN_MAX_ROWS, d)
+    cdef Py_ssize_t parts_floats = n_units * BASERT_ATTN_MAX_ROWS * pl.max_seg * (d + 2)
+    cdef int owned
+    cdef float *scratch = basert_attn_scratch_take(2 * n_tiles + nt * per_thread + parts_floats, &owned)
+    if scratch == NULL:
+        raise MemoryError(f"no memory for attention scratch over {n_max} positions")
+    cdef int32_t *tile_seq = <int32_t *> scratch
+    cdef int32_t *tile_row = tile_seq + n_tiles
+    cdef float *thread_scratch = scratch + 2 * n_tiles
     for s in range(n_seq):
-        for r in range(rows[s], rows[s] + lengths[s], tokens_per_item):
+        for r in range(rows[s], rows[s] + lengths[s], pl.tokens_per_item):
             tile_seq[tile] = s
             tile_row[tile] = r
             tile += 1
-    cdef Py_ssize_t n_items = per_tile * n_tiles, i, t, h, t0, t1, h0, h1, kv_head, chunk, head_offset
-    cdef int n_rows
-    cdef float *scores = NULL
-    cdef const float **rows_q = NULL
-    cdef float **rows_out = NULL
-    cdef Py_ssize_t *rows_pos = NULL
-    cdef int failed = 0
-    with nogil, parallel(num_threads=basert_threads_for(T * H * n_max * d)):
-        scores = <float *> malloc(BASERT_ATTN_MAX_ROWS * n_max * sizeof(float))
-        rows_q = <const float **> malloc(BASERT_ATTN_MAX_ROWS * sizeof(float *))
-        rows_out = <float **> malloc(BASERT_ATTN_MAX_ROWS * sizeof(float *))
-        rows_pos = <Py_ssize_t *> malloc(BASERT_ATTN_MAX_ROWS * sizeof(Py_ssize_t))
-        for i in prange(n_items, schedule="dynamic"):
-            if scores == NULL or rows_q == NULL or rows_out == NULL or rows_pos == NULL:
-                failed += 1
-                continue
-            s = tile_seq[i // per_tile]
-            t0 = tile_row[i // per_tile]
-            t1 = min(rows[s] + lengths[s], t0 + tokens_per_item)
-            kv_head = (i % per_tile) // chunks_per_group
-            chunk = (i % per_tile) % chunks_per_group
-            h0 = kv_head * group + chunk * heads_per_chunk
-            h1 = min(h0 + heads_per_chunk, (kv_head + 1) * group)
-            n_rows = 0
-            for t in range(t0, t1):
-                for h in range(h0, h1):
-                    rows_q[n_rows] = &q[t, h, 0]
-                    rows_out[n_rows] = &out[t, h, 0]
-                    rows_pos[n_rows] = starts[s] + (t - rows[s]) + 1
-                    n_rows = n_rows + 1
-            head_offset = kv_head * BASERT_KV_BLOCK * d * item
-            basert_attend_rows(n_rows, rows_q, rows_pos, kc + head_offset, vc + head_offset, f16, &tables[s, 0],
-                               block_stride, d, scale, scores, n_max, rows_out)
-        free(scores)
-        free(rows_q)
-        free(rows_out)
-        free(rows_pos)
-    if failed:
-        raise MemoryError(f"no memory for {n_max} attention scores")
+    pl.q = &q[0, 0, 0]
+    pl.out = &out[0, 0, 0]
+    pl.H = H
+    pl.d = d
+    pl.rows = &rows[0]
+    pl.lengths = &lengths[0]
+    pl.starts = &starts[0]
+    pl.tables = &tables[0, 0]
+    pl.table_stride = tables.shape[1]
+    pl.tile_seq = tile_seq
+    pl.tile_row = tile_row
+    pl.kc = <const char *> cnp.PyArray_DATA(k_cache)
+    pl.vc = <const char *> cnp.PyArray_DATA(v_cache)
+    pl.item = 2 if f16 else 4
+    pl.block_stride = n_kv * BASERT_KV_BLOCK * d
+    pl.f16 = f16
+    pl.scale = scale
+    pl.parts = thread_scratch + nt * per_thread
+    with nogil:
+        if not split:
+            for u in prange(n_units, num_threads=nt, schedule="dynamic"):
+                _attend_unit(&pl, u, thread_scratch + threadid() * per_thread)
+        else:
+            with parallel(num_threads=nt):
+                for i in prange(n_units * pl.max_seg, schedule="dynamic"):
+                    _attend_unit_segment(&pl, i % n_units, i // n_units, thread_scratch + threadid() * per_thread)
+                for u in prange(n_units, schedule="static"):
+                    _merge_unit(&pl, u)
+        basert_attn_scratch_give(scratch, owned)
+
+
+SEGMENT = BASERT_ATTN_SEGMENT
+
+
+def segment_partials(const float[:, ::1] q, k_cache, v_cache, int kv_head, const int32_t[::1] block_table,
+                     const Py_ssize_t[::1] n_pos, Py_ssize_t p0, Py_ssize_t p1, float scale):
+    """basert_attend_segment over positions p0 .. p1-1 for query rows q [R, d] of kv head kv_head, row r
+    seeing positions 0 .. n_pos[r]-1: (top [R], sum [R], acc [R, d]), NaN for rows that end by p0."""
+    cdef bint f16 = _check_cache(k_cache, v_cache, False)
+    cdef Py_ssize_t n_rows = q.shape[0], d = q.shape[1], n_max = 0, r
+    if n_pos.shape[0] != n_rows or d != k_cache.shape[3] or not 0 <= kv_head < k_cache.shape[1]:
+        raise ValueError("q, n_pos, kv_head and the cache disagree")
+    for r in range(n_rows):
+        n_max = max(n_max, n_pos[r])
+    if p0 % BASERT_ATTN_SEGMENT or not p0 < p1 <= min(p0 + BASERT_ATTN_SEGMENT, n_max):
+        raise ValueError(f"segment {p0}..{p1} is not one of rows seeing up to {n_max} positions")
+    _check_blocks(block_table, n_max, k_cache.shape[0], 0)
+    top = np.full(n_rows, np.nan, dtype=np.float32)
+    total = np.full(n_rows, np.nan, dtype=np.float32)
+    acc = np.full((n_rows, d), np.nan, dtype=np.float32)
+    scores = np.empty(n_rows * BASERT_ATTN_SEGMENT, dtype=np.float32)
+    cdef float[::1] top_v = top, total_v = total, scores_v = scores
+    cdef float[:, ::1] acc_v = acc
+    rows_array = np.empty(n_rows, dtype=np.uintp)
+    acc_array = np.empty(n_rows, dtype=np.uintp)
+    cdef size_t[::1] rows_q = rows_array, rows_acc = acc_array
+    for r in range(n_rows):
+        rows_q[r] = <size_t> &q[r, 0]
+        rows_acc[r] = <size_t> &acc_v[r, 0]
+    cdef Py_ssize_t head_offset = kv_head * BASERT_KV_BLOCK * d * (2 if f16 else 4)
+    cdef const char *kc = <const char *> cnp.PyArray_DATA(k_cache)
+    cdef const char *vc = <const char *> cnp.PyArray_DATA(v_cache)
+    cdef Py_ssize_t block_stride = k_cache.shape[1] * BASERT_KV_BLOCK * d
+    with nogil:
+        basert_attend_segment(n_rows, <const float *const *> &rows_q[0], &n_pos[0], p0, p1, kc + head_offset,
+                              vc + head_offset, f16, &block_table[0], block_stride, d,
+                              scale, &scores_v[0], &top_v[0], &total_v[0], <float *const *> &rows_acc[0])
+    return top, total, acc
+
+
+def merge_partials(const float[::1] top, const float[::1] total, const float[:, ::1] acc):
+    """basert_attend_merge: one row's output from its segments' partials (top, sum, acc [n_segments, d])."""
+    cdef Py_ssize_t n = top.shape[0], d = acc.shape[1]
+    if n == 0 or total.shape[0] != n or acc.shape[0] != n:
+        raise ValueError("top, sum and acc must describe the same segments")
+    out = np.empty(d, dtype=np.float32)
+    cdef float[::1] out_v = out
+    with nogil:
+        basert_attend_merge(<int> n, &top[0], &total[0], &acc[0, 0], d, d, &out_v[0])
+    return out
