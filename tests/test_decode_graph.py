@@ -21,12 +21,13 @@ def open_runner(path: Path, kv_dtype: type, threads: int, graph: bool) -> ModelR
 
 def script(runner: ModelRunner) -> list[np.ndarray]:
     """Logits of a fixed mix of steps: prefills longer than the graph takes, then batched decode steps of
-    three sequences, a batch of one decode and one 10-token chunk, and a chunk of exactly MAX_GRAPH_TOKENS."""
+    three sequences, a batch of one decode and one 10-token chunk, and a chunk of exactly MAX_GRAPH_TOKENS
+    whose rows lie on both sides of an attention segment boundary."""
     rng = np.random.default_rng(5)
     vocab = runner.vocab_size
     seqs = [runner.new_sequence() for _ in range(3)]
     out = []
-    for seq, n in zip(seqs, (40, 3, 130)):
+    for seq, n in zip(seqs, (40, 3, 250)):   # the third crosses an attention segment (256 positions)
         out.append(runner.forward([ForwardRequest(seq, rng.integers(0, vocab, n).tolist(), logits="all")])[0].copy())
     for _ in range(4):
         steps = [ForwardRequest(seq, [int(rng.integers(0, vocab))]) for seq in seqs]

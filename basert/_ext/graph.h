@@ -5,7 +5,11 @@
  *   QKV     every member first normalises the residual rows into its own buffer (input norm), then
  *           chunks of whole heads of the q|k|v projection of all tokens, each finished in the chunk:
  *           q/k norms, RoPE, the K/V cache write
- *   ATTN    one chunk per (sequence, kv head): attention for every query head of the group
+ *   ATTN    one chunk per (sequence, kv head, segment of BASERT_ATTN_SEGMENT positions): the segment's
+ *           attention partials for every query row of the group (a unit with one segment writes
+ *           its output directly)
+ *   MERGE   one chunk per (sequence, kv head) with several segments: the partials merged in segment
+ *           order (no chunks when every sequence is shorter than a segment)
  *   O       chunks of o_proj output rows, each added to the residual as soon as it is computed
  *   GATEUP  every member normalises the residual (post-attention norm); chunks of gate and up rows
  *           and their SwiGLU product
@@ -15,7 +19,7 @@
  * Every value is computed by the same row kernels, in the same order, as the Python model files'
  * per-kernel path (models/layers.py): matmul rows by basert_stream (whose rows are independent of the
  * rows computed with them), norms by basert_rmsnorm_row, RoPE by basert_rope_row, attention by
- * basert_attend_rows, SwiGLU by basert_silu_mul_row over 8-aligned column ranges, residual adds as
+ * basert_attend_segment and basert_attend_merge (attention.h: the same bits as basert_attend_rows), SwiGLU by basert_silu_mul_row over 8-aligned column ranges, residual adds as
  * single float additions. So a token's logits are the same bits whichever path, batch or thread count
  * computed them. */
 #ifndef BASERT_GRAPH_H
@@ -30,7 +34,7 @@
 #include "simd.h"
 #include "team.h"
 
-enum { BG_QKV = 0, BG_ATTN = 1, BG_O = 2, BG_GATEUP = 3, BG_DOWN = 4, BG_PHASES_PER_LAYER = 5 };
+enum { BG_QKV = 0, BG_ATTN = 1, BG_MERGE = 2, BG_O = 3, BG_GATEUP = 4, BG_DOWN = 5, BG_PHASES_PER_LAYER = 6 };
 
 typedef struct {
     const float *input_norm, *post_norm;    /* [D] */
@@ -54,7 +58,14 @@ typedef struct {
     float *normed;  /* [n_members][max_tokens, D] each member's normalised rows */
     float *q, *k, *v, *attn, *delta, *gate, *up;
     float *logits;  /* [n_logits, vocab] */
-    float *scores;  /* [n_members][BASERT_ATTN_MAX_ROWS * max_pos] */
+    /* Attention: unit u = (item u / n_kv, kv head u % n_kv) has rows (token, query head of the group) */
+    int unit_rows, max_segments;   /* rows per unit at most (max_tokens * group); ceil(max_pos / S) */
+    float *scores;                 /* [n_members][unit_rows * S] */
+    float *part_top, *part_sum;    /* [max_tokens * n_heads][max_segments] */
+    float *part_acc;               /* [max_tokens * n_heads][max_segments][head_dim] */
+    int32_t *attn_chunks;          /* [max units * max_segments][2]: (unit, segment) of each ATTN chunk */
+    int32_t *merge_units;          /* [max units]: the units with more than one segment */
+    int n_attn_chunks, n_merge_units;
     /* Chunking: rows per chunk of each matmul phase */
     ptrdiff_t qkv_rows, o_rows, ffn_rows, head_rows;
     int qkv_chunks, o_chunks, ffn_chunks, head_chunks;
@@ -148,29 +159,87 @@ static void bg_qkv_rows(const bg_model *m, const bg_layer *l, const float *h, pt
     }
 }
 
-static void bg_attention_item(bg_model *m, const bg_layer *l, int item, int g, int member) {
+/* The rows of a unit in order (token-major), with their query, output and visible positions. */
+typedef struct {
+    int n;
+    const float **q;
+    float **out;
+    ptrdiff_t *n_pos;
+    int *index; /* t * n_heads + h: the row's place among the partials */
+} bg_unit_rows;
+
+static inline int bg_unit_segments(const bg_model *m, int unit) {
+    const int item = unit / m->n_kv;
+    const ptrdiff_t n_max = (ptrdiff_t)m->item_starts[item] + m->item_lengths[item];
+    return (int)((n_max + BASERT_ATTN_SEGMENT - 1) / BASERT_ATTN_SEGMENT);
+}
+
+/* Each member's pointer arrays for one unit's rows live after its scores. */
+static void bg_unit_rows_of(const bg_model *m, int unit, int member, bg_unit_rows *rows) {
     const ptrdiff_t d = m->head_dim, qdim = (ptrdiff_t)m->n_heads * d;
-    const int group = m->n_heads / m->n_kv, row0 = m->item_rows[item], len = m->item_lengths[item];
-    const int start = m->item_starts[item];
-    const int32_t *table = m->tables + (ptrdiff_t)item * m->table_stride;
-    const ptrdiff_t item_bytes = m->kv_f16 ? 2 : 4, block_stride = (ptrdiff_t)m->n_kv * BASERT_KV_BLOCK * d;
-    const float *rows_q[BASERT_ATTN_MAX_ROWS];
-    float *rows_out[BASERT_ATTN_MAX_ROWS];
-    ptrdiff_t rows_pos[BASERT_ATTN_MAX_ROWS];
-    float *scores = m->scores + (ptrdiff_t)member * BASERT_ATTN_MAX_ROWS * m->max_pos;
-    const ptrdiff_t head_offset = (ptrdiff_t)g * BASERT_KV_BLOCK * d * item_bytes;
+    const int item = unit / m->n_kv, g = unit % m->n_kv, group = m->n_heads / m->n_kv;
+    const int row0 = m->item_rows[item], len = m->item_lengths[item], start = m->item_starts[item];
+    char *base = (char *)(m->scores + (ptrdiff_t)member * m->unit_rows * (BASERT_ATTN_SEGMENT + 8));
+    base += (ptrdiff_t)m->unit_rows * BASERT_ATTN_SEGMENT * sizeof(float);
+    rows->q = (const float **)base;
+    rows->out = (float **)(base + m->unit_rows * sizeof(float *));
+    rows->n_pos = (ptrdiff_t *)(base + 2 * m->unit_rows * sizeof(float *));
+    rows->index = (int *)(base + 3 * m->unit_rows * sizeof(float *));
     int n = 0;
     for (int t = row0; t < row0 + len; t++)
-        for (int h = g * group; h < (g + 1) * group; h++) {
-            rows_q[n] = m->q + t * qdim + h * d;
-            rows_out[n] = m->attn + t * qdim + h * d;
-            rows_pos[n] = start + (t - row0) + 1;
-            if (++n == BASERT_ATTN_MAX_ROWS || (t == row0 + len - 1 && h == (g + 1) * group - 1)) {
-                basert_attend_rows(n, rows_q, rows_pos, l->k_cache + head_offset, l->v_cache + head_offset, m->kv_f16, table,
-                                   block_stride, d, m->scale, scores, m->max_pos, rows_out);
-                n = 0;
+        for (int h = g * group; h < (g + 1) * group; h++, n++) {
+            rows->q[n] = m->q + t * qdim + h * d;
+            rows->out[n] = m->attn + t * qdim + h * d;
+            rows->n_pos[n] = start + (t - row0) + 1;
+            rows->index[n] = t * m->n_heads + h;
+        }
+    rows->n = n;
+}
+
+/* ATTN chunk: segment j of unit u. */
+static void bg_attention_segment(bg_model *m, const bg_layer *l, int unit, int j, int member) {
+    const ptrdiff_t d = m->head_dim, item_bytes = m->kv_f16 ? 2 : 4, block_stride = (ptrdiff_t)m->n_kv * BASERT_KV_BLOCK * d;
+    const int item = unit / m->n_kv, g = unit % m->n_kv, n_segments = bg_unit_segments(m, unit);
+    const int32_t *table = m->tables + (ptrdiff_t)item * m->table_stride;
+    const ptrdiff_t head_offset = (ptrdiff_t)g * BASERT_KV_BLOCK * d * item_bytes;
+    float *scores = m->scores + (ptrdiff_t)member * m->unit_rows * (BASERT_ATTN_SEGMENT + 8);
+    bg_unit_rows rows;
+    bg_unit_rows_of(m, unit, member, &rows);
+    const ptrdiff_t p0 = (ptrdiff_t)j * BASERT_ATTN_SEGMENT;
+    const ptrdiff_t n_max = (ptrdiff_t)m->item_starts[item] + m->item_lengths[item];
+    const ptrdiff_t p1 = p0 + BASERT_ATTN_SEGMENT < n_max ? p0 + BASERT_ATTN_SEGMENT : n_max;
+    /* top, sum and acc pointers of every row for this segment (in the member's scratch, after the rows). */
+    float top[BASERT_ATTN_MAX_ROWS], sum[BASERT_ATTN_MAX_ROWS];
+    float *acc[BASERT_ATTN_MAX_ROWS];
+    for (int r0 = 0; r0 < rows.n; r0 += BASERT_ATTN_MAX_ROWS) {
+        const int n = rows.n - r0 < BASERT_ATTN_MAX_ROWS ? rows.n - r0 : BASERT_ATTN_MAX_ROWS;
+        for (int r = 0; r < n; r++)
+            acc[r] = n_segments == 1 ? rows.out[r0 + r] : m->part_acc + ((ptrdiff_t)rows.index[r0 + r] * m->max_segments + j) * d;
+        basert_attend_segment(n, rows.q + r0, rows.n_pos + r0, p0, p1, l->k_cache + head_offset, l->v_cache + head_offset,
+                              m->kv_f16, table, block_stride, d, m->scale, scores, top, sum, acc);
+        for (int r = 0; r < n; r++) {
+            if (rows.n_pos[r0 + r] <= p0) continue;
+            if (n_segments == 1) {
+                basert_scale(1.0f / sum[r], acc[r], d);   /* one segment: the output itself */
+            } else {
+                const ptrdiff_t at = (ptrdiff_t)rows.index[r0 + r] * m->max_segments + j;
+                m->part_top[at] = top[r];
+                m->part_sum[at] = sum[r];
             }
         }
+    }
+}
+
+/* MERGE chunk: every row of a unit with several segments, from its partials. */
+static void bg_attention_merge(bg_model *m, int unit, int member) {
+    const ptrdiff_t d = m->head_dim;
+    bg_unit_rows rows;
+    bg_unit_rows_of(m, unit, member, &rows);
+    for (int r = 0; r < rows.n; r++) {
+        const ptrdiff_t at = (ptrdiff_t)rows.index[r] * m->max_segments;
+        const int n_segments = (int)((rows.n_pos[r] + BASERT_ATTN_SEGMENT - 1) / BASERT_ATTN_SEGMENT);
+        basert_attend_merge(n_segments, m->part_top + at, m->part_sum + at, m->part_acc + at * d, d, d, rows.out[r]);
+    }
 }
 
 static void bg_chunk(void *ctx, int phase, int chunk, int member) {
@@ -188,7 +257,10 @@ static void bg_chunk(void *ctx, int phase, int chunk, int member) {
         bg_qkv_rows(m, l, h, chunk * m->qkv_rows, (chunk + 1) * m->qkv_rows);
         break;
     case BG_ATTN:
-        bg_attention_item(m, l, chunk / m->n_kv, chunk % m->n_kv, member);
+        bg_attention_segment(m, l, m->attn_chunks[2 * chunk], m->attn_chunks[2 * chunk + 1], member);
+        break;
+    case BG_MERGE:
+        bg_attention_merge(m, m->merge_units[chunk], member);
         break;
     case BG_O:
         bg_rows_residual(m, l->wo, m->attn, (ptrdiff_t)m->n_heads * m->head_dim, chunk * m->o_rows, (chunk + 1) * m->o_rows);
@@ -221,10 +293,21 @@ static inline ptrdiff_t bg_rows_per_chunk(ptrdiff_t rows, int members, int targe
 
 /* Fills the chunk counts of every phase for the step described in m; returns the phase count. */
 static int bg_plan_step(bg_model *m, int32_t *chunks) {
+    m->n_attn_chunks = m->n_merge_units = 0;
+    for (int u = 0; u < m->n_items * m->n_kv; u++) {
+        const int n_segments = bg_unit_segments(m, u);
+        for (int j = 0; j < n_segments; j++) {
+            m->attn_chunks[2 * m->n_attn_chunks] = u;
+            m->attn_chunks[2 * m->n_attn_chunks + 1] = j;
+            m->n_attn_chunks++;
+        }
+        if (n_segments > 1) m->merge_units[m->n_merge_units++] = u;
+    }
     int p = 0;
     for (int i = 0; i < m->n_layers; i++) {
         chunks[p++] = m->qkv_chunks;
-        chunks[p++] = m->n_items * m->n_kv;
+        chunks[p++] = m->n_attn_chunks;
+        chunks[p++] = m->n_merge_units;
         chunks[p++] = m->o_chunks;
         chunks[p++] = m->ffn_chunks;
         chunks[p++] = m->o_chunks;

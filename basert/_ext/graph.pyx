@@ -27,6 +27,7 @@ cdef extern from "graph.h" nogil:
     const int BASERT_TEAM_MAX_PHASES
     const int BASERT_ATTN_MAX_ROWS
     const int BASERT_KV_BLOCK
+    const int BASERT_ATTN_SEGMENT
     const int BG_PHASES_PER_LAYER
     ctypedef struct bg_layer:
         const float *input_norm
@@ -61,7 +62,13 @@ cdef extern from "graph.h" nogil:
         float *gate
         float *up
         float *logits
+        int unit_rows, max_segments
         float *scores
+        float *part_top
+        float *part_sum
+        float *part_acc
+        int32_t *attn_chunks
+        int32_t *merge_units
         int T, n_items, n_logits, table_stride
         const int32_t *positions
         const int32_t *item_rows
@@ -122,8 +129,6 @@ cdef class DecodeGraph:
             raise ValueError(f"a decode graph takes 1 to {(BASERT_TEAM_MAX_PHASES - 1) // BG_PHASES_PER_LAYER} layers")
         if n_heads <= 0 or n_kv <= 0 or n_heads % n_kv or head_dim <= 0 or max_tokens <= 0:
             raise ValueError("bad head counts, head_dim or max_tokens")
-        if max_tokens * n_heads // n_kv > BASERT_ATTN_MAX_ROWS * max_tokens:
-            raise ValueError("too many query heads per kv head")
         cos = np.ascontiguousarray(cos, dtype=np.float32)
         sin = np.ascontiguousarray(sin, dtype=np.float32)
         if cos.ndim != 2 or cos.shape != sin.shape or 2 * cos.shape[1] > head_dim:
@@ -171,6 +176,16 @@ cdef class DecodeGraph:
         m.delta = _buffer(self.keep, (max_tokens, dim))
         m.gate = _buffer(self.keep, (max_tokens, ffn))
         m.up = _buffer(self.keep, (max_tokens, ffn))
+        m.unit_rows = max_tokens * (n_heads // n_kv)
+        m.max_segments = (m.max_pos + BASERT_ATTN_SEGMENT - 1) // BASERT_ATTN_SEGMENT
+        m.part_top = _buffer(self.keep, (max_tokens * n_heads, m.max_segments))
+        m.part_sum = _buffer(self.keep, (max_tokens * n_heads, m.max_segments))
+        m.part_acc = _buffer(self.keep, (max_tokens * n_heads, m.max_segments, head_dim))
+        chunk_table = np.zeros((max_tokens * n_kv * m.max_segments, 2), dtype=np.int32)
+        merge_units = np.zeros(max_tokens * n_kv, dtype=np.int32)
+        self.keep += [chunk_table, merge_units]
+        m.attn_chunks = <int32_t *> cnp.PyArray_DATA(chunk_table)
+        m.merge_units = <int32_t *> cnp.PyArray_DATA(merge_units)
         m.n_members = 0
         self.max_tokens = max_tokens
         self.k_bound = None
@@ -196,7 +211,8 @@ cdef class DecodeGraph:
         cdef bg_model *m = &self.m
         m.n_members = self.team.n_threads
         m.normed = _buffer(self.keep, (m.n_members, m.max_tokens, m.dim))
-        m.scores = _buffer(self.keep, (m.n_members, BASERT_ATTN_MAX_ROWS * m.max_pos))
+        # Per member: the scores of one segment of a unit's rows, then the unit's row pointers (graph.h).
+        m.scores = _buffer(self.keep, (m.n_members, m.unit_rows * (BASERT_ATTN_SEGMENT + 8)))
         bg_plan_chunks(m)
         return 0
 
