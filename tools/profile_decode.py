@@ -1,4 +1,6 @@
-"""Where decode time goes: cProfile over N single-token forwards, split into kernels (_ext) and Python.
+"""Where decode time goes: cProfile over N single-token forwards, split into kernels (_ext) and Python; for
+models that decode through the C decode graph, also the share of the thread team's time spent waiting at
+phase boundaries (synchronisation) rather than computing.
 
     python tools/profile_decode.py [MODEL] [-n 128] [--threads 2]
 """
@@ -26,6 +28,9 @@ def main() -> int:
     engine = build_engine(model_path_for(args.model), EngineOptions(max_context=args.n + 16, threads=args.threads))
     token = 1
     engine.decode(token)  # warm the workspaces
+    graph = engine.runner.model.graph
+    if graph is not None:
+        graph.team_stats(reset=True)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.n):
@@ -37,6 +42,13 @@ def main() -> int:
                  if "basert._ext" in name or "_ext/" in filename)
     print(f"{args.n} decode steps: {total:.3f} s ({args.n / total:.1f} tokens/s under the profiler)")
     print(f"inside _ext kernels: {in_ext:.3f} s = {100 * in_ext / total:.1f}% of decode time\n")
+    if graph is not None:
+        team = graph.team_stats()
+        members = len(team["wait_seconds"])
+        waited = sum(team["wait_seconds"])
+        share = waited / (members * team["seconds"]) if team["seconds"] else 0.0
+        print(f"decode graph: {team['steps']} steps, {team['seconds']:.3f} s in the thread team; {members} members "
+              f"waited {waited:.3f} s at phase boundaries = {100 * share:.1f}% of their time (synchronisation)\n")
     stats.sort_stats("tottime").print_stats(args.top)
     return 0
 

@@ -16,8 +16,12 @@ cnp.import_array()
 cdef extern from "graph.h" nogil:
     ctypedef struct basert_weight:
         Py_ssize_t n, k
+    ctypedef struct basert_member_stats:
+        unsigned long long wait_ns, waits
     ctypedef struct basert_team:
         int n_threads
+        basert_member_stats *stats
+        unsigned long long jobs, job_ns
     basert_team *basert_team_new(int n_threads)
     void basert_team_free(basert_team *t)
     ctypedef void (*basert_phase_fn)(void *ctx, int phase, int chunk, int member)
@@ -239,6 +243,20 @@ cdef class DecodeGraph:
         self.k_bound, self.v_bound = k_caches, v_caches
         self.n_blocks = shape[0]
         return 0
+
+    def team_stats(self, bint reset=False):
+        """Decode steps run by the thread team, their wall seconds, and each member's seconds spent waiting at
+        phase boundaries (spinning or asleep); `reset` zeroes them after reading."""
+        if self.team == NULL or self.team_pid != os.getpid():
+            return {"steps": 0, "seconds": 0.0, "wait_seconds": []}
+        cdef int i
+        stats = {"steps": self.team.jobs, "seconds": self.team.job_ns * 1e-9,
+                 "wait_seconds": [self.team.stats[i].wait_ns * 1e-9 for i in range(self.team.n_threads)]}
+        if reset:
+            self.team.jobs = self.team.job_ns = 0
+            for i in range(self.team.n_threads):
+                self.team.stats[i].wait_ns = self.team.stats[i].waits = 0
+        return stats
 
     def run(self, float[:, ::1] x, list k_caches, list v_caches, const int32_t[::1] positions,
             const int32_t[::1] rows, const int32_t[::1] lengths, const int32_t[::1] starts,

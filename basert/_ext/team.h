@@ -47,8 +47,16 @@ typedef struct {
     _Alignas(64) uint64_t done;  /* tag << 32 | chunks not yet done */
 } basert_phase_counter;
 
+/* Where a member's time in jobs went: waiting at phase boundaries (spinning or asleep), and in all. */
+typedef struct {
+    _Alignas(64) uint64_t wait_ns;
+    uint64_t waits;
+} basert_member_stats;
+
 typedef struct basert_team {
     int n_threads;
+    basert_member_stats stats[BASERT_TEAM_MAX_THREADS];
+    uint64_t jobs, job_ns; /* jobs run and their wall time, as the caller saw it */
     pthread_t threads[BASERT_TEAM_MAX_THREADS];
     /* The job being run (valid while its tag is current). */
     void *ctx;
@@ -89,13 +97,14 @@ static inline void bt_announce(basert_team *t) {
     if (__atomic_load_n(&t->sleepers, __ATOMIC_SEQ_CST) > 0) bt_futex_wake_all(&t->progress);
 }
 
-/* Wait until ready(t, arg) holds: spin for spin_ns, then sleep on the progress word between checks. */
-static inline void bt_wait(basert_team *t, int (*ready)(basert_team *, const void *), const void *arg, uint64_t spin_ns) {
-    if (ready(t, arg)) return;
-    uint64_t deadline = bt_now_ns() + spin_ns;
+/* Wait until ready(t, arg) holds: spin for spin_ns, then sleep on the progress word between checks.
+ * Returns when the wait began (0 when it was not needed). */
+static inline uint64_t bt_wait(basert_team *t, int (*ready)(basert_team *, const void *), const void *arg, uint64_t spin_ns) {
+    if (ready(t, arg)) return 0;
+    const uint64_t began = bt_now_ns(), deadline = began + spin_ns;
     for (unsigned i = 1;; i++) {
         bt_pause();
-        if (ready(t, arg)) return;
+        if (ready(t, arg)) return began;
         if ((i & 63) == 0 && bt_now_ns() > deadline) break;
     }
     for (;;) {
@@ -103,11 +112,20 @@ static inline void bt_wait(basert_team *t, int (*ready)(basert_team *, const voi
         uint32_t seen = __atomic_load_n(&t->progress, __ATOMIC_SEQ_CST);
         if (ready(t, arg)) {
             __atomic_fetch_sub(&t->sleepers, 1, __ATOMIC_SEQ_CST);
-            return;
+            return began;
         }
         bt_futex_wait(&t->progress, seen);
         __atomic_fetch_sub(&t->sleepers, 1, __ATOMIC_SEQ_CST);
-        if (ready(t, arg)) return;
+        if (ready(t, arg)) return began;
+    }
+}
+
+/* A wait at a phase boundary, counted in the member's stats. */
+static inline void bt_wait_phase(basert_team *t, int member, int (*ready)(basert_team *, const void *), const void *arg) {
+    const uint64_t began = bt_wait(t, ready, arg, BASERT_TEAM_SPIN_NS);
+    if (began) {
+        t->stats[member].wait_ns += bt_now_ns() - began;
+        t->stats[member].waits++;
     }
 }
 
@@ -129,7 +147,7 @@ static void bt_walk(basert_team *t, uint32_t tag, int member) {
     for (int p = 0; p < n_phases; p++) {
         if (p > 0) {
             bt_phase_ref ref = {tag, p - 1};
-            bt_wait(t, bt_phase_finished, &ref, BASERT_TEAM_SPIN_NS);
+            bt_wait_phase(t, member, bt_phase_finished, &ref);
         }
         basert_phase_counter *c = &t->counters[p];
         int prepared = 0;
@@ -214,6 +232,7 @@ static void basert_team_free(basert_team *t) {
 static void basert_team_run(basert_team *t, void *ctx, basert_phase_fn fn, basert_phase_prologue_fn prologue,
                             int n_phases, const int32_t *chunks) {
     if (n_phases <= 0) return;
+    const uint64_t began = bt_now_ns();
     uint32_t tag = t->tag + 1;
     if (tag == 0) tag = 1;
     t->ctx = ctx;
@@ -229,7 +248,9 @@ static void basert_team_run(basert_team *t, void *ctx, basert_phase_fn fn, baser
     if (t->n_threads > 1) bt_announce(t);
     bt_walk(t, tag, 0);
     bt_phase_ref last = {tag, n_phases - 1};
-    bt_wait(t, bt_phase_finished, &last, BASERT_TEAM_SPIN_NS);
+    bt_wait_phase(t, 0, bt_phase_finished, &last);
+    t->jobs++;
+    t->job_ns += bt_now_ns() - began;
 }
 
 #endif
