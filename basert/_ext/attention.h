@@ -261,18 +261,22 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
             basert_gather_rows(k, kv_f16, block_table, block_stride, d, p, p + 8, buf);
             for (int r = 0; r < n_rows; r++) {
                 if (p >= n_pos[r]) continue;
-                float *s = scores + r * S + (p - p0);
+                float *s = scores + r * S + (p - p0), t = top[r]; /* a local max stays in a register */
                 if (p + 8 <= n_pos[r]) {
-                    _mm256_storeu_ps(s, basert_scores8(q[r], buf, d, scale));
+                    const __m256 x8 = basert_scores8(q[r], buf, d, scale);
+                    float x[8];
+                    _mm256_storeu_ps(s, x8);
+                    _mm256_storeu_ps(x, x8);
                     for (int j = 0; j < 8; j++)
-                        if (s[j] > top[r]) top[r] = s[j];
+                        if (x[j] > t) t = x[j];
                 } else {
                     for (ptrdiff_t j = 0; p + j < n_pos[r]; j++) {
                         float x = basert_dot(q[r], buf + j * d, d) * scale;
                         s[j] = x;
-                        if (x > top[r]) top[r] = x;
+                        if (x > t) t = x;
                     }
                 }
+                top[r] = t;
             }
             p += 8;
             continue;
