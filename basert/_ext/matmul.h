@@ -64,7 +64,8 @@ static inline float bm_f16_f32(uint16_t h) {
     return _cvtsh_ss(h);
 #else
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0x1f) return bm_bits_f32(sign | 0x7f800000u | (man << 13));
+    /* Infinity, or a NaN made quiet with its payload kept: what F16C's conversion does. */
+    if (exp == 0x1f) return bm_bits_f32(sign | 0x7f800000u | (man ? 0x400000u : 0) | (man << 13));
     if (exp != 0) return bm_bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
     /* Zero or subnormal: man * 2^-24 is exact in float32. */
     float mag = (float)man * 5.9604644775390625e-8f;
