@@ -53,15 +53,15 @@ static inline void basert_omp_set_threads(int n) {
 
 /* ---- scalar conversions (exact) ---- */
 
-static inline float bm_bits_f32(uint32_t bits) {
+BASERT_ALWAYS_INLINE float bm_bits_f32(uint32_t bits) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
 
-static inline float bm_bf16_f32(uint16_t h) { return bm_bits_f32((uint32_t)h << 16); }
+BASERT_ALWAYS_INLINE float bm_bf16_f32(uint16_t h) { return bm_bits_f32((uint32_t)h << 16); }
 
-static inline float bm_f16_f32(uint16_t h) {
+BASERT_ALWAYS_INLINE float bm_f16_f32(uint16_t h) {
 #if defined(BASERT_SIMD)
     return _cvtsh_ss(h);
 #else
@@ -75,9 +75,9 @@ static inline float bm_f16_f32(uint16_t h) {
 #endif
 }
 
-static inline float bm_scale_f32(uint16_t bits, int bf16) { return bf16 ? bm_bf16_f32(bits) : bm_f16_f32(bits); }
+BASERT_ALWAYS_INLINE float bm_scale_f32(uint16_t bits, int bf16) { return bf16 ? bm_bf16_f32(bits) : bm_f16_f32(bits); }
 
-static inline uint16_t bm_load_u16(const uint8_t *p) {
+BASERT_ALWAYS_INLINE uint16_t bm_load_u16(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, sizeof v);
     return v;
@@ -107,24 +107,24 @@ BASERT_ALWAYS_INLINE float bm_quant1(const int kind, const int sym, const uint8_
 #if defined(BASERT_AVX512)
 typedef __m512 bm_v;
 
-static inline bm_v bm_zero(void) { return _mm512_setzero_ps(); }
-static inline bm_v bm_set1(float v) { return _mm512_set1_ps(v); }
+BASERT_ALWAYS_INLINE bm_v bm_zero(void) { return _mm512_setzero_ps(); }
+BASERT_ALWAYS_INLINE bm_v bm_set1(float v) { return _mm512_set1_ps(v); }
 /* Lanes 0-7 = a, lanes 8-15 = b. */
-static inline bm_v bm_set2(float a, float b) {
+BASERT_ALWAYS_INLINE bm_v bm_set2(float a, float b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1));
 }
-static inline bm_v bm_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline void bm_store(float *p, bm_v v) { _mm512_storeu_ps(p, v); }
-static inline bm_v bm_fma(bm_v a, bm_v b, bm_v c) { return _mm512_fmadd_ps(a, b, c); }
-static inline bm_v bm_mul(bm_v a, bm_v b) { return _mm512_mul_ps(a, b); }
+BASERT_ALWAYS_INLINE bm_v bm_load(const float *p) { return _mm512_loadu_ps(p); }
+BASERT_ALWAYS_INLINE void bm_store(float *p, bm_v v) { _mm512_storeu_ps(p, v); }
+BASERT_ALWAYS_INLINE bm_v bm_fma(bm_v a, bm_v b, bm_v c) { return _mm512_fmadd_ps(a, b, c); }
+BASERT_ALWAYS_INLINE bm_v bm_mul(bm_v a, bm_v b) { return _mm512_mul_ps(a, b); }
 /* Lane i + lane i+8, i = 0..7: the first step of the horizontal sum. */
-static inline __m256 bm_fold(bm_v v) {
+BASERT_ALWAYS_INLINE __m256 bm_fold(bm_v v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
-static inline bm_v bm_f16x16(const uint8_t *row, ptrdiff_t e) {
+BASERT_ALWAYS_INLINE bm_v bm_f16x16(const uint8_t *row, ptrdiff_t e) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(row + 2 * e)));
 }
-static inline bm_v bm_bf16x16(const uint8_t *row, ptrdiff_t e) {
+BASERT_ALWAYS_INLINE bm_v bm_bf16x16(const uint8_t *row, ptrdiff_t e) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(row + 2 * e)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
@@ -138,28 +138,28 @@ typedef struct {
     __m256 lo, hi; /* lanes 0-7, lanes 8-15 */
 } bm_v;
 
-static inline bm_v bm_zero(void) { return (bm_v){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline bm_v bm_set1(float v) { return (bm_v){_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
-static inline bm_v bm_set2(float a, float b) { return (bm_v){_mm256_set1_ps(a), _mm256_set1_ps(b)}; }
-static inline bm_v bm_load(const float *p) { return (bm_v){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-static inline void bm_store(float *p, bm_v v) {
+BASERT_ALWAYS_INLINE bm_v bm_zero(void) { return (bm_v){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+BASERT_ALWAYS_INLINE bm_v bm_set1(float v) { return (bm_v){_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+BASERT_ALWAYS_INLINE bm_v bm_set2(float a, float b) { return (bm_v){_mm256_set1_ps(a), _mm256_set1_ps(b)}; }
+BASERT_ALWAYS_INLINE bm_v bm_load(const float *p) { return (bm_v){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+BASERT_ALWAYS_INLINE void bm_store(float *p, bm_v v) {
     _mm256_storeu_ps(p, v.lo);
     _mm256_storeu_ps(p + 8, v.hi);
 }
-static inline bm_v bm_fma(bm_v a, bm_v b, bm_v c) {
+BASERT_ALWAYS_INLINE bm_v bm_fma(bm_v a, bm_v b, bm_v c) {
     return (bm_v){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
-static inline bm_v bm_mul(bm_v a, bm_v b) { return (bm_v){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-static inline __m256 bm_fold(bm_v v) { return _mm256_add_ps(v.lo, v.hi); }
-static inline bm_v bm_f16x16(const uint8_t *row, ptrdiff_t e) {
+BASERT_ALWAYS_INLINE bm_v bm_mul(bm_v a, bm_v b) { return (bm_v){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+BASERT_ALWAYS_INLINE __m256 bm_fold(bm_v v) { return _mm256_add_ps(v.lo, v.hi); }
+BASERT_ALWAYS_INLINE bm_v bm_f16x16(const uint8_t *row, ptrdiff_t e) {
     return (bm_v){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * e))),
                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * e + 16)))};
 }
-static inline __m256 bm_bf16x8(const uint8_t *p) {
+BASERT_ALWAYS_INLINE __m256 bm_bf16x8(const uint8_t *p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-static inline bm_v bm_bf16x16(const uint8_t *row, ptrdiff_t e) {
+BASERT_ALWAYS_INLINE bm_v bm_bf16x16(const uint8_t *row, ptrdiff_t e) {
     return (bm_v){bm_bf16x8(row + 2 * e), bm_bf16x8(row + 2 * e + 16)};
 }
 BASERT_ALWAYS_INLINE bm_v bm_bytes16(__m128i b, const int sgn) {
@@ -170,12 +170,12 @@ BASERT_ALWAYS_INLINE bm_v bm_bytes16(__m128i b, const int sgn) {
 #endif
 
 #if defined(BASERT_SIMD)
-static inline float bm_hsum(bm_v v) { return basert_hsum8(bm_fold(v)); }
+BASERT_ALWAYS_INLINE float bm_hsum(bm_v v) { return basert_hsum8(bm_fold(v)); }
 
 /* The horizontal sums of a, b, c, d into out[0..3], each in bm_hsum's order: folded, then the 8-lane
  * tree with the halves added lane-wise (i + i+4), then (0+2) and (1+3), then their sum; float addition
  * commutes exactly. */
-static inline void bm_hsum4(bm_v va, bm_v vb, bm_v vc, bm_v vd, float *out) {
+BASERT_ALWAYS_INLINE void bm_hsum4(bm_v va, bm_v vb, bm_v vc, bm_v vd, float *out) {
     __m256 a = bm_fold(va), b = bm_fold(vb), c = bm_fold(vc), d = bm_fold(vd);
     __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
     __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
@@ -186,14 +186,14 @@ static inline void bm_hsum4(bm_v va, bm_v vb, bm_v vc, bm_v vd, float *out) {
 
 /* The 16 codes of 8 packed q4 bytes as bytes in element order: byte b holds element 2b in its low
  * nibble and 2b+1 in its high one, so masking, shifting and interleaving the two halves orders them. */
-static inline __m128i bm_q4_bytes16(const uint8_t *p) {
+BASERT_ALWAYS_INLINE __m128i bm_q4_bytes16(const uint8_t *p) {
     const __m128i mask = _mm_set1_epi8(15);
     __m128i raw = _mm_loadl_epi64((const __m128i *)(const void *)p);
     return _mm_unpacklo_epi8(_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask));
 }
 
 /* The 32 codes of 16 packed q4 bytes (one group of 32): elements 0-15 in *a, 16-31 in *b. */
-static inline void bm_q4_bytes32(const uint8_t *p, __m128i *a, __m128i *b) {
+BASERT_ALWAYS_INLINE void bm_q4_bytes32(const uint8_t *p, __m128i *a, __m128i *b) {
     const __m128i mask = _mm_set1_epi8(15);
     __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)p);
     __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
@@ -226,7 +226,7 @@ BASERT_ALWAYS_INLINE void bm_codes32(const int kind, const int sym, const uint8_
 }
 
 /* 8 consecutive scale bits to floats. */
-static inline void bm_scales8(const uint16_t *bits, int bf16, float *out) {
+BASERT_ALWAYS_INLINE void bm_scales8(const uint16_t *bits, int bf16, float *out) {
     __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)bits);
     if (bf16)
         _mm256_storeu_ps(out, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
@@ -239,17 +239,17 @@ typedef struct {
     float v[16];
 } bm_v;
 
-static inline bm_v bm_zero(void) {
+BASERT_ALWAYS_INLINE bm_v bm_zero(void) {
     bm_v r;
     for (int j = 0; j < 16; j++) r.v[j] = 0.0f;
     return r;
 }
-static inline bm_v bm_set1(float s) {
+BASERT_ALWAYS_INLINE bm_v bm_set1(float s) {
     bm_v r;
     for (int j = 0; j < 16; j++) r.v[j] = s;
     return r;
 }
-static inline bm_v bm_set2(float a, float b) {
+BASERT_ALWAYS_INLINE bm_v bm_set2(float a, float b) {
     bm_v r;
     for (int j = 0; j < 8; j++) {
         r.v[j] = a;
@@ -257,39 +257,39 @@ static inline bm_v bm_set2(float a, float b) {
     }
     return r;
 }
-static inline bm_v bm_load(const float *p) {
+BASERT_ALWAYS_INLINE bm_v bm_load(const float *p) {
     bm_v r;
     memcpy(r.v, p, sizeof r.v);
     return r;
 }
-static inline void bm_store(float *p, bm_v v) { memcpy(p, v.v, sizeof v.v); }
-static inline bm_v bm_fma(bm_v a, bm_v b, bm_v c) {
+BASERT_ALWAYS_INLINE void bm_store(float *p, bm_v v) { memcpy(p, v.v, sizeof v.v); }
+BASERT_ALWAYS_INLINE bm_v bm_fma(bm_v a, bm_v b, bm_v c) {
     bm_v r;
     for (int j = 0; j < 16; j++) r.v[j] = fmaf(a.v[j], b.v[j], c.v[j]);
     return r;
 }
-static inline bm_v bm_mul(bm_v a, bm_v b) {
+BASERT_ALWAYS_INLINE bm_v bm_mul(bm_v a, bm_v b) {
     bm_v r;
     for (int j = 0; j < 16; j++) r.v[j] = a.v[j] * b.v[j];
     return r;
 }
-static inline float bm_hsum(bm_v a) {
+BASERT_ALWAYS_INLINE float bm_hsum(bm_v a) {
     float s[8];
     for (int j = 0; j < 8; j++) s[j] = a.v[j] + a.v[j + 8];
     return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
-static inline void bm_hsum4(bm_v a, bm_v b, bm_v c, bm_v d, float *out) {
+BASERT_ALWAYS_INLINE void bm_hsum4(bm_v a, bm_v b, bm_v c, bm_v d, float *out) {
     out[0] = bm_hsum(a);
     out[1] = bm_hsum(b);
     out[2] = bm_hsum(c);
     out[3] = bm_hsum(d);
 }
-static inline bm_v bm_f16x16(const uint8_t *row, ptrdiff_t e) {
+BASERT_ALWAYS_INLINE bm_v bm_f16x16(const uint8_t *row, ptrdiff_t e) {
     bm_v r;
     for (int j = 0; j < 16; j++) r.v[j] = bm_f16_f32(bm_load_u16(row + 2 * (e + j)));
     return r;
 }
-static inline bm_v bm_bf16x16(const uint8_t *row, ptrdiff_t e) {
+BASERT_ALWAYS_INLINE bm_v bm_bf16x16(const uint8_t *row, ptrdiff_t e) {
     bm_v r;
     for (int j = 0; j < 16; j++) r.v[j] = bm_bf16_f32(bm_load_u16(row + 2 * (e + j)));
     return r;
@@ -312,7 +312,7 @@ BASERT_ALWAYS_INLINE void bm_codes32(const int kind, const int sym, const uint8_
     *a = bm_codes16(kind, sym, row, e);
     *b = bm_codes16(kind, sym, row, e + 16);
 }
-static inline void bm_scales8(const uint16_t *bits, int bf16, float *out) {
+BASERT_ALWAYS_INLINE void bm_scales8(const uint16_t *bits, int bf16, float *out) {
     for (int j = 0; j < 8; j++) out[j] = bm_scale_f32(bits[j], bf16);
 }
 #endif
@@ -334,7 +334,7 @@ BASERT_ALWAYS_INLINE bm_v bm_dequant(const int sym, bm_v codes, bm_v scale, bm_v
 }
 
 /* n (<= 8) scale bits to floats. */
-static inline void bm_scales(const uint16_t *bits, ptrdiff_t n, int bf16, float *out) {
+BASERT_ALWAYS_INLINE void bm_scales(const uint16_t *bits, ptrdiff_t n, int bf16, float *out) {
     if (n == 8) {
         bm_scales8(bits, bf16, out);
         return;
