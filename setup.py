@@ -1,12 +1,17 @@
-"""Builds the Cython kernels in basert/_ext with -O3, OpenMP and AVX2/FMA/F16C where available.
+"""Builds the Cython kernels in basert/_ext three times, with -O3 and OpenMP: one package per CPU variant.
 
-Set BASERT_PORTABLE=1 to force the scalar build (no x86 SIMD flags).
+basert/_ext/<variant>/<module>.so for every basert/_ext/<module>.pyx, where <variant> is
+  portable  no x86 SIMD flags (plain C, fmaf),
+  avx2      -mavx2 -mfma -mf16c,
+  avx512    the avx2 flags and -mavx512f -mavx512bw -mavx512vl.
+avx2 and avx512 are built whenever the compiler accepts their flags, whatever CPU builds them;
+basert/_ext/__init__.py picks the best one this CPU runs at import (BASERT_CPU overrides it).
 """
 
 from __future__ import annotations
 
 import os
-import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -17,10 +22,28 @@ from pathlib import Path
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 EXT_DIR = Path("basert") / "_ext"
-SIMD_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
-SIMD_CPU_FLAGS = {"avx2", "fma", "f16c"}
+# Each variant compiles its own copy of a generated .c (a wrapper that #includes it): setuptools puts an
+# object file at a path derived from its source path, so variants sharing one source would collide.
+WRAPPER_DIR = Path("build") / "variants"
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+# variant -> (compile flags, macros); BASERT_SIMD selects the AVX2 code of the headers, BASERT_AVX512 the zmm code.
+VARIANTS: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
+    "portable": ([], []),
+    "avx2": (AVX2_FLAGS, [("BASERT_SIMD", "1")]),
+    "avx512": (AVX2_FLAGS + ["-mavx512f", "-mavx512bw", "-mavx512vl"], [("BASERT_SIMD", "1"), ("BASERT_AVX512", "1")]),
+}
+CYTHON_DIRECTIVES = {
+    "language_level": "3",
+    "boundscheck": False,
+    "wraparound": False,
+    "cdivision": True,
+    "initializedcheck": False,
+    # Plain builtin functions: cProfile then attributes time to each kernel (tools/profile_decode.py).
+    "binding": False,
+}
 
 
 def compiler_accepts(flags: list[str], source: str = "int main(void){return 0;}\n") -> bool:
@@ -38,61 +61,76 @@ def compiler_accepts(flags: list[str], source: str = "int main(void){return 0;}\
         return result.returncode == 0
 
 
-def cpu_has_simd() -> bool:
-    if platform.machine().lower() not in {"x86_64", "amd64"}:
-        return False
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return SIMD_CPU_FLAGS <= set(line.split(":", 1)[1].split())
-    return False
-
-
-def build_flags() -> tuple[list[str], list[str], list[tuple[str, str]]]:
-    compile_args = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
+def common_flags() -> tuple[list[str], list[str]]:
+    # No FMA contraction: a*b+c stays two roundings in every variant, so scalar code gives the same bits on all.
+    compile_args = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
     link_args: list[str] = []
-    macros: list[tuple[str, str]] = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     if compiler_accepts(["-fopenmp"], "#include <omp.h>\nint main(void){return omp_get_max_threads()<0;}\n"):
         compile_args.append("-fopenmp")
         link_args.append("-fopenmp")
-    portable = os.environ.get("BASERT_PORTABLE", "") not in {"", "0"}
-    if not portable and cpu_has_simd() and compiler_accepts(SIMD_FLAGS):
-        compile_args += SIMD_FLAGS
-        macros.append(("BASERT_SIMD", "1"))
-    print(f"basert build: compile {' '.join(compile_args)}", file=sys.stderr)
-    return compile_args, link_args, macros
+    return compile_args, link_args
+
+
+def headers(path: Path, seen: set[Path] | None = None) -> set[Path]:
+    """The basert/_ext headers that a .pyx or .h file uses, directly or through another header."""
+    seen = set() if seen is None else seen
+    for name in re.findall(r'(?:extern from|#include) "([^"]+\.h)"', path.read_text()):
+        header = EXT_DIR / name
+        if header.exists() and header not in seen:
+            seen.add(header)
+            headers(header, seen)
+    return seen
+
+
+def wrapper(variant: str, c_source: Path) -> str:
+    """A source file of its own for this variant's copy of a generated module."""
+    path = WRAPPER_DIR / variant / c_source.name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = f'#include "{os.path.relpath(c_source, path.parent)}"\n'
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return str(path)
 
 
 def extensions() -> list[Extension]:
-    compile_args, link_args, macros = build_flags()
-    modules = []
-    for pyx in sorted(EXT_DIR.glob("*.pyx")):
-        name = ".".join(pyx.with_suffix("").parts)
-        modules.append(
-            Extension(
-                name,
-                [str(pyx)],
-                include_dirs=[numpy.get_include(), str(EXT_DIR)],
-                extra_compile_args=compile_args,
-                extra_link_args=link_args,
-                define_macros=macros,
-            )
-        )
-    return cythonize(
-        modules,
-        compiler_directives={
-            "language_level": "3",
-            "boundscheck": False,
-            "wraparound": False,
-            "cdivision": True,
-            "initializedcheck": False,
-            # Plain builtin functions: cProfile then attributes time to each kernel (tools/profile_decode.py).
-            "binding": False,
-        },
+    compile_args, link_args = common_flags()
+    # Cython writes basert/_ext/<module>.c once; every variant compiles it.
+    generated = cythonize(
+        [Extension(".".join(pyx.with_suffix("").parts), [str(pyx)]) for pyx in sorted(EXT_DIR.glob("*.pyx"))],
+        compiler_directives=CYTHON_DIRECTIVES,
     )
+    modules = []
+    # setuptools rebuilds an extension when one of its depends is newer than it: the .pyx's headers count.
+    depends = {str(ext.sources[0]): sorted(str(h) for h in headers(Path(ext.sources[0]).with_suffix(".pyx")))
+               for ext in generated}
+    for variant, (flags, macros) in VARIANTS.items():
+        if flags and not compiler_accepts(flags):
+            print(f"basert build: {variant}: the compiler rejects {' '.join(flags)}, not built", file=sys.stderr)
+            continue
+        print(f"basert build: {variant}: compile {' '.join(compile_args + flags)}", file=sys.stderr)
+        for ext in generated:
+            c_source = Path(ext.sources[0])
+            modules.append(
+                Extension(
+                    f"basert._ext.{variant}.{c_source.stem}",
+                    [wrapper(variant, c_source)],
+                    include_dirs=[numpy.get_include(), str(EXT_DIR)],
+                    extra_compile_args=compile_args + flags,
+                    extra_link_args=link_args,
+                    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), *macros],
+                    depends=[str(c_source), *depends[str(c_source)]],
+                )
+            )
+    return modules
 
 
-setup(ext_modules=extensions())
+class ParallelBuildExt(build_ext):
+    """build_ext compiling one extension per core unless -j says otherwise."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": ParallelBuildExt})

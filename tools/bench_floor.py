@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from basert.cli.bench import cpu_model, run_bench
+from basert.cli.bench import cpu_model, kernel_variant, run_bench
 from basert.cli.generate import model_path_for
 from basert.engine.runner import default_threads
 from basert.format import open_base
@@ -69,12 +69,14 @@ def main() -> int:
     floor = bandwidth / per_token
     [tg] = run_bench(path, [], [args.n_gen], args.repetitions, 1, args.threads)
     share = tg.mean / floor
-    print(f"| CPU | threads | read GB/s | MB per token | floor tok/s | tg{args.n_gen} tok/s | share of floor |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {cpu_model()} | {threads} | {bandwidth / 1e9:.1f} | {per_token / 1e6:.1f} | {floor:.0f} | "
+    print(f"| CPU | kernels | threads | read GB/s | MB per token | floor tok/s | tg{args.n_gen} tok/s | "
+          "share of floor |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {cpu_model()} | {kernel_variant()} | {threads} |"
+          f" {bandwidth / 1e9:.1f} | {per_token / 1e6:.1f} | {floor:.0f} | "
           f"{tg.mean:.1f} ± {tg.stdev:.1f} | {share:.0%} |")
-    report = {"cpu": cpu_model(), "threads": threads, "model": str(path), "read_bytes_per_second": bandwidth,
-              "bytes_per_token": per_token, "floor_tokens_per_second": floor,
+    report = {"cpu": cpu_model(), "variant": kernel_variant(), "threads": threads, "model": str(path),
+              "read_bytes_per_second": bandwidth, "bytes_per_token": per_token, "floor_tokens_per_second": floor,
               "tg_tokens_per_second": tg.rates, "share_of_floor": share}
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)

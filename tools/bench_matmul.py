@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+import basert._ext
 from basert._ext import matmul as mm
+from basert.cli.bench import cpu_model
 
 SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576))  # N x K: attention, gate/up, down, lm_head
 KINDS = (("base_q4", 32, False), ("base_q8", 32, True), ("f32", 0, False))  # kind, group, symmetric
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
+    print(f"{cpu_model()} ({basert._ext.VARIANT} kernels; BASERT_CPU picks another)")
     header = f"{'case':13} {'N x K':>12} {'M':9} {'threads':7} {'time/call':>14} {'GFLOP/s':>15} {'weight GB/s':>11}"
     best: dict[tuple[str, str, str, int], Result] = {}
     for _ in range(args.repeat):

@@ -25,7 +25,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from basert.cli.bench import cpu_model, run_bench
+from basert.cli.bench import cpu_model, kernel_variant, run_bench
 from basert.cli.generate import model_path_for
 
 
@@ -80,11 +80,12 @@ def main() -> int:
             basert[test].append(rate)
         print(f"round {round_number}/{args.rounds} done", file=sys.stderr)
 
-    print(f"{cpu_model()}, {args.threads} threads, {args.gguf.name}, medians of {args.rounds} alternations\n")
+    print(f"{cpu_model()} ({kernel_variant()} kernels), {args.threads} threads, {args.gguf.name}, "
+          f"medians of {args.rounds} alternations\n")
     print("| test | llama.cpp t/s | basert t/s | basert / llama.cpp |")
     print("| --- | ---: | ---: | ---: |")
-    report = {"cpu": cpu_model(), "threads": args.threads, "gguf": str(args.gguf), "rounds": args.rounds,
-              "tests": {}}
+    report = {"cpu": cpu_model(), "variant": kernel_variant(), "threads": args.threads, "gguf": str(args.gguf),
+              "rounds": args.rounds, "tests": {}}
     for test in basert:
         ours = statistics.median(basert[test])
         theirs = statistics.median(llama[test]) if llama.get(test) else float("nan")

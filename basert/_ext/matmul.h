@@ -2,12 +2,14 @@
  * group-quantized (base_q4/base_q8), de-quantized in registers (small M, streaming the packed
  * bytes) or into a small per-thread tile reused by every activation row (larger M).
  *
- * Batch invariance: every out[m, n] is computed by one 8-lane accumulator walking K in steps of 8
- * (acc = fma(x, w, acc), lane j sums the k = j mod 8 terms in K order), then the fixed-order
- * horizontal sum ((0+4)+(2+6))+((1+5)+(3+7)) of simd.h, then the K % 8 tail in order with scalar
- * FMAs. The streaming and tiled kernels, every block shape and every thread split perform exactly
- * this sequence on exactly the reference de-quantized weights, so a row's result never depends on
- * the batch. The scalar build (no BASERT_SIMD) runs the same sequence on 8-float structs with fmaf. */
+ * The summation contract (16 lanes): every out[m, n] is computed by one 16-lane accumulator walking K
+ * in steps of 16 (acc = fma(x, w, acc): lane j sums the k = j mod 16 terms in K order), then a
+ * fixed-order horizontal sum (lane i + lane i+8 for i = 0..7, then simd.h's 8-lane tree
+ * ((0+4)+(2+6))+((1+5)+(3+7))), then the K % 16 tail in order with scalar FMAs. The streaming and
+ * tiled kernels, every block shape and every thread split perform exactly this sequence on exactly
+ * the reference de-quantized weights, so a row's result never depends on the batch; and every CPU
+ * variant performs it too (portable: a 16-float struct with fmaf; avx2: a pair of __m256, lanes 0-7
+ * and 8-15; avx512: one __m512), so a row's result is the same bits on every CPU. */
 #ifndef BASERT_MATMUL_H
 #define BASERT_MATMUL_H
 
@@ -51,20 +53,21 @@ static inline void basert_omp_set_threads(int n) {
 
 /* ---- scalar conversions (exact) ---- */
 
-static inline float bm_bits_f32(uint32_t bits) {
+BASERT_ALWAYS_INLINE float bm_bits_f32(uint32_t bits) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
 
-static inline float bm_bf16_f32(uint16_t h) { return bm_bits_f32((uint32_t)h << 16); }
+BASERT_ALWAYS_INLINE float bm_bf16_f32(uint16_t h) { return bm_bits_f32((uint32_t)h << 16); }
 
-static inline float bm_f16_f32(uint16_t h) {
+BASERT_ALWAYS_INLINE float bm_f16_f32(uint16_t h) {
 #if defined(BASERT_SIMD)
     return _cvtsh_ss(h);
 #else
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0x1f) return bm_bits_f32(sign | 0x7f800000u | (man << 13));
+    /* Infinity, or a NaN made quiet with its payload kept: what F16C's conversion does. */
+    if (exp == 0x1f) return bm_bits_f32(sign | 0x7f800000u | (man ? 0x400000u : 0) | (man << 13));
     if (exp != 0) return bm_bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
     /* Zero or subnormal: man * 2^-24 is exact in float32. */
     float mag = (float)man * 5.9604644775390625e-8f;
@@ -72,15 +75,15 @@ static inline float bm_f16_f32(uint16_t h) {
 #endif
 }
 
-static inline float bm_scale_f32(uint16_t bits, int bf16) { return bf16 ? bm_bf16_f32(bits) : bm_f16_f32(bits); }
+BASERT_ALWAYS_INLINE float bm_scale_f32(uint16_t bits, int bf16) { return bf16 ? bm_bf16_f32(bits) : bm_f16_f32(bits); }
 
-static inline uint16_t bm_load_u16(const uint8_t *p) {
+BASERT_ALWAYS_INLINE uint16_t bm_load_u16(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* One dense weight value (used for the K % 8 tail only). */
+/* One dense weight value (used for the K % 16 tail only). */
 BASERT_ALWAYS_INLINE float bm_dense1(const int kind, const uint8_t *row, ptrdiff_t e) {
     if (kind == BASERT_F32) {
         float v;
@@ -91,22 +94,89 @@ BASERT_ALWAYS_INLINE float bm_dense1(const int kind, const uint8_t *row, ptrdiff
     return bm_bf16_f32(bm_load_u16(row + 2 * e));
 }
 
-/* ---- 8-lane vector type: __m256 with AVX2/FMA/F16C, an 8-float struct with fmaf otherwise ---- */
+/* One quantized weight value (for K tails and group sizes that are not multiples of 16): the same
+ * float operations as the vector code, so the same value. */
+BASERT_ALWAYS_INLINE float bm_quant1(const int kind, const int sym, const uint8_t *row, ptrdiff_t e, float scale, float bias) {
+    const int code = kind == BASERT_Q4 ? (row[e >> 1] >> (4 * (e & 1))) & 15 : row[e];
+    if (sym) return (float)(code - (kind == BASERT_Q4 ? 8 : 128)) * scale;
+    return fmaf((float)code, scale, bias);
+}
+
+/* ---- 16-lane vector type: __m512 (avx512), a pair of __m256 (avx2), 16 floats with fmaf (portable) ---- */
+
+#if defined(BASERT_AVX512)
+typedef __m512 bm_v;
+
+BASERT_ALWAYS_INLINE bm_v bm_zero(void) { return _mm512_setzero_ps(); }
+BASERT_ALWAYS_INLINE bm_v bm_set1(float v) { return _mm512_set1_ps(v); }
+/* Lanes 0-7 = a, lanes 8-15 = b. */
+BASERT_ALWAYS_INLINE bm_v bm_set2(float a, float b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1));
+}
+BASERT_ALWAYS_INLINE bm_v bm_load(const float *p) { return _mm512_loadu_ps(p); }
+BASERT_ALWAYS_INLINE void bm_store(float *p, bm_v v) { _mm512_storeu_ps(p, v); }
+BASERT_ALWAYS_INLINE bm_v bm_fma(bm_v a, bm_v b, bm_v c) { return _mm512_fmadd_ps(a, b, c); }
+BASERT_ALWAYS_INLINE bm_v bm_mul(bm_v a, bm_v b) { return _mm512_mul_ps(a, b); }
+/* Lane i + lane i+8, i = 0..7: the first step of the horizontal sum. */
+BASERT_ALWAYS_INLINE __m256 bm_fold(bm_v v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+BASERT_ALWAYS_INLINE bm_v bm_f16x16(const uint8_t *row, ptrdiff_t e) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(row + 2 * e)));
+}
+BASERT_ALWAYS_INLINE bm_v bm_bf16x16(const uint8_t *row, ptrdiff_t e) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(row + 2 * e)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+/* 16 code bytes (signed when sgn) to floats. */
+BASERT_ALWAYS_INLINE bm_v bm_bytes16(__m128i b, const int sgn) {
+    return _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+#elif defined(BASERT_SIMD)
+typedef struct {
+    __m256 lo, hi; /* lanes 0-7, lanes 8-15 */
+} bm_v;
+
+BASERT_ALWAYS_INLINE bm_v bm_zero(void) { return (bm_v){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+BASERT_ALWAYS_INLINE bm_v bm_set1(float v) { return (bm_v){_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+BASERT_ALWAYS_INLINE bm_v bm_set2(float a, float b) { return (bm_v){_mm256_set1_ps(a), _mm256_set1_ps(b)}; }
+BASERT_ALWAYS_INLINE bm_v bm_load(const float *p) { return (bm_v){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+BASERT_ALWAYS_INLINE void bm_store(float *p, bm_v v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+BASERT_ALWAYS_INLINE bm_v bm_fma(bm_v a, bm_v b, bm_v c) {
+    return (bm_v){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+BASERT_ALWAYS_INLINE bm_v bm_mul(bm_v a, bm_v b) { return (bm_v){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+BASERT_ALWAYS_INLINE __m256 bm_fold(bm_v v) { return _mm256_add_ps(v.lo, v.hi); }
+BASERT_ALWAYS_INLINE bm_v bm_f16x16(const uint8_t *row, ptrdiff_t e) {
+    return (bm_v){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * e))),
+                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * e + 16)))};
+}
+BASERT_ALWAYS_INLINE __m256 bm_bf16x8(const uint8_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+BASERT_ALWAYS_INLINE bm_v bm_bf16x16(const uint8_t *row, ptrdiff_t e) {
+    return (bm_v){bm_bf16x8(row + 2 * e), bm_bf16x8(row + 2 * e + 16)};
+}
+BASERT_ALWAYS_INLINE bm_v bm_bytes16(__m128i b, const int sgn) {
+    __m128i h = _mm_unpackhi_epi64(b, b);
+    if (sgn) return (bm_v){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h))};
+    return (bm_v){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h))};
+}
+#endif
 
 #if defined(BASERT_SIMD)
-typedef __m256 bm_v8;
+BASERT_ALWAYS_INLINE float bm_hsum(bm_v v) { return basert_hsum8(bm_fold(v)); }
 
-static inline bm_v8 bm_zero(void) { return _mm256_setzero_ps(); }
-static inline bm_v8 bm_set1(float v) { return _mm256_set1_ps(v); }
-static inline bm_v8 bm_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline void bm_store(float *p, bm_v8 v) { _mm256_storeu_ps(p, v); }
-static inline bm_v8 bm_fma(bm_v8 a, bm_v8 b, bm_v8 c) { return _mm256_fmadd_ps(a, b, c); }
-static inline bm_v8 bm_mul(bm_v8 a, bm_v8 b) { return _mm256_mul_ps(a, b); }
-static inline float bm_hsum(bm_v8 v) { return basert_hsum8(v); }
-
-/* The horizontal sums of a, b, c, d into out[0..3], each in basert_hsum8's order: halves
- * added lane-wise (i + i+4), then (0+2) and (1+3), then their sum; float addition commutes exactly. */
-static inline void bm_hsum4(bm_v8 a, bm_v8 b, bm_v8 c, bm_v8 d, float *out) {
+/* The horizontal sums of a, b, c, d into out[0..3], each in bm_hsum's order: folded, then the 8-lane
+ * tree with the halves added lane-wise (i + i+4), then (0+2) and (1+3), then their sum; float addition
+ * commutes exactly. */
+BASERT_ALWAYS_INLINE void bm_hsum4(bm_v va, bm_v vb, bm_v vc, bm_v vd, float *out) {
+    __m256 a = bm_fold(va), b = bm_fold(vb), c = bm_fold(vc), d = bm_fold(vd);
     __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
     __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
     __m256 t = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
@@ -114,35 +184,50 @@ static inline void bm_hsum4(bm_v8 a, bm_v8 b, bm_v8 c, bm_v8 d, float *out) {
     _mm_storeu_ps(out, _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
-static inline bm_v8 bm_f16x8(const uint8_t *row, ptrdiff_t e) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * e)));
+/* The 16 codes of 8 packed q4 bytes as bytes in element order: byte b holds element 2b in its low
+ * nibble and 2b+1 in its high one, so masking, shifting and interleaving the two halves orders them. */
+BASERT_ALWAYS_INLINE __m128i bm_q4_bytes16(const uint8_t *p) {
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i raw = _mm_loadl_epi64((const __m128i *)(const void *)p);
+    return _mm_unpacklo_epi8(_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask));
 }
 
-static inline bm_v8 bm_bf16x8(const uint8_t *row, ptrdiff_t e) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * e)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+/* The 32 codes of 16 packed q4 bytes (one group of 32): elements 0-15 in *a, 16-31 in *b. */
+BASERT_ALWAYS_INLINE void bm_q4_bytes32(const uint8_t *p, __m128i *a, __m128i *b) {
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)p);
+    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    *a = _mm_unpacklo_epi8(lo, hi);
+    *b = _mm_unpackhi_epi8(lo, hi);
 }
 
-/* float(code - offset) of q4 elements e..e+7: their 4 bytes, read as a little-endian word, hold
- * element j in bits 4j..4j+3 (low nibble first), so one variable shift splits all 8. */
-static inline bm_v8 bm_q4x8(const uint8_t *row, ptrdiff_t e, int offset) {
-    uint32_t word;
-    memcpy(&word, row + (e >> 1), sizeof word);
-    __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-                                     _mm256_set1_epi32(15));
-    if (offset) codes = _mm256_sub_epi32(codes, _mm256_set1_epi32(offset));
-    return _mm256_cvtepi32_ps(codes);
+/* Code bytes minus the symmetric offset, exact in int8: q4 codes - 8; q8 codes - 128 = code ^ 0x80 read signed. */
+BASERT_ALWAYS_INLINE __m128i bm_unsign(const int kind, __m128i b) {
+    return kind == BASERT_Q4 ? _mm_sub_epi8(b, _mm_set1_epi8(8)) : _mm_xor_si128(b, _mm_set1_epi8((char)0x80));
 }
 
-static inline bm_v8 bm_q8x8(const uint8_t *row, ptrdiff_t e, int offset) {
-    __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + e)));
-    if (offset) codes = _mm256_sub_epi32(codes, _mm256_set1_epi32(offset));
-    return _mm256_cvtepi32_ps(codes);
+/* float(code) of elements e..e+15, or float(code - 2^(bits-1)) when symmetric. */
+BASERT_ALWAYS_INLINE bm_v bm_codes16(const int kind, const int sym, const uint8_t *row, ptrdiff_t e) {
+    __m128i b = kind == BASERT_Q4 ? bm_q4_bytes16(row + (e >> 1)) : _mm_loadu_si128((const __m128i *)(const void *)(row + e));
+    return bm_bytes16(sym ? bm_unsign(kind, b) : b, sym);
+}
+
+/* The same for elements e..e+31, in *a and *b: one load and one unpacking for a whole q4 group of 32. */
+BASERT_ALWAYS_INLINE void bm_codes32(const int kind, const int sym, const uint8_t *row, ptrdiff_t e, bm_v *a, bm_v *b) {
+    if (kind == BASERT_Q4) {
+        __m128i lo, hi;
+        bm_q4_bytes32(row + (e >> 1), &lo, &hi);
+        *a = bm_bytes16(sym ? bm_unsign(kind, lo) : lo, sym);
+        *b = bm_bytes16(sym ? bm_unsign(kind, hi) : hi, sym);
+    } else {
+        *a = bm_codes16(kind, sym, row, e);
+        *b = bm_codes16(kind, sym, row, e + 16);
+    }
 }
 
 /* 8 consecutive scale bits to floats. */
-static inline void bm_scales8(const uint16_t *bits, int bf16, float *out) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)bits);
+BASERT_ALWAYS_INLINE void bm_scales8(const uint16_t *bits, int bf16, float *out) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)bits);
     if (bf16)
         _mm256_storeu_ps(out, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
     else
@@ -151,98 +236,120 @@ static inline void bm_scales8(const uint16_t *bits, int bf16, float *out) {
 
 #else
 typedef struct {
-    float v[8];
-} bm_v8;
+    float v[16];
+} bm_v;
 
-static inline bm_v8 bm_zero(void) {
-    bm_v8 r;
-    for (int j = 0; j < 8; j++) r.v[j] = 0.0f;
+BASERT_ALWAYS_INLINE bm_v bm_zero(void) {
+    bm_v r;
+    for (int j = 0; j < 16; j++) r.v[j] = 0.0f;
     return r;
 }
-static inline bm_v8 bm_set1(float s) {
-    bm_v8 r;
-    for (int j = 0; j < 8; j++) r.v[j] = s;
+BASERT_ALWAYS_INLINE bm_v bm_set1(float s) {
+    bm_v r;
+    for (int j = 0; j < 16; j++) r.v[j] = s;
     return r;
 }
-static inline bm_v8 bm_load(const float *p) {
-    bm_v8 r;
+BASERT_ALWAYS_INLINE bm_v bm_set2(float a, float b) {
+    bm_v r;
+    for (int j = 0; j < 8; j++) {
+        r.v[j] = a;
+        r.v[j + 8] = b;
+    }
+    return r;
+}
+BASERT_ALWAYS_INLINE bm_v bm_load(const float *p) {
+    bm_v r;
     memcpy(r.v, p, sizeof r.v);
     return r;
 }
-static inline void bm_store(float *p, bm_v8 v) { memcpy(p, v.v, sizeof v.v); }
-static inline bm_v8 bm_fma(bm_v8 a, bm_v8 b, bm_v8 c) {
-    bm_v8 r;
-    for (int j = 0; j < 8; j++) r.v[j] = fmaf(a.v[j], b.v[j], c.v[j]);
+BASERT_ALWAYS_INLINE void bm_store(float *p, bm_v v) { memcpy(p, v.v, sizeof v.v); }
+BASERT_ALWAYS_INLINE bm_v bm_fma(bm_v a, bm_v b, bm_v c) {
+    bm_v r;
+    for (int j = 0; j < 16; j++) r.v[j] = fmaf(a.v[j], b.v[j], c.v[j]);
     return r;
 }
-static inline bm_v8 bm_mul(bm_v8 a, bm_v8 b) {
-    bm_v8 r;
-    for (int j = 0; j < 8; j++) r.v[j] = a.v[j] * b.v[j];
+BASERT_ALWAYS_INLINE bm_v bm_mul(bm_v a, bm_v b) {
+    bm_v r;
+    for (int j = 0; j < 16; j++) r.v[j] = a.v[j] * b.v[j];
     return r;
 }
-static inline float bm_hsum(bm_v8 a) {
-    const float *v = a.v;
-    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+BASERT_ALWAYS_INLINE float bm_hsum(bm_v a) {
+    float s[8];
+    for (int j = 0; j < 8; j++) s[j] = a.v[j] + a.v[j + 8];
+    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
-static inline void bm_hsum4(bm_v8 a, bm_v8 b, bm_v8 c, bm_v8 d, float *out) {
+BASERT_ALWAYS_INLINE void bm_hsum4(bm_v a, bm_v b, bm_v c, bm_v d, float *out) {
     out[0] = bm_hsum(a);
     out[1] = bm_hsum(b);
     out[2] = bm_hsum(c);
     out[3] = bm_hsum(d);
 }
-static inline bm_v8 bm_f16x8(const uint8_t *row, ptrdiff_t e) {
-    bm_v8 r;
-    for (int j = 0; j < 8; j++) r.v[j] = bm_f16_f32(bm_load_u16(row + 2 * (e + j)));
+BASERT_ALWAYS_INLINE bm_v bm_f16x16(const uint8_t *row, ptrdiff_t e) {
+    bm_v r;
+    for (int j = 0; j < 16; j++) r.v[j] = bm_f16_f32(bm_load_u16(row + 2 * (e + j)));
     return r;
 }
-static inline bm_v8 bm_bf16x8(const uint8_t *row, ptrdiff_t e) {
-    bm_v8 r;
-    for (int j = 0; j < 8; j++) r.v[j] = bm_bf16_f32(bm_load_u16(row + 2 * (e + j)));
+BASERT_ALWAYS_INLINE bm_v bm_bf16x16(const uint8_t *row, ptrdiff_t e) {
+    bm_v r;
+    for (int j = 0; j < 16; j++) r.v[j] = bm_bf16_f32(bm_load_u16(row + 2 * (e + j)));
     return r;
 }
-static inline bm_v8 bm_q4x8(const uint8_t *row, ptrdiff_t e, int offset) {
-    bm_v8 r;
-    const uint8_t *p = row + (e >> 1);
-    for (int j = 0; j < 4; j++) {
-        r.v[2 * j] = (float)((int)(p[j] & 15) - offset);
-        r.v[2 * j + 1] = (float)((int)(p[j] >> 4) - offset);
+BASERT_ALWAYS_INLINE bm_v bm_codes16(const int kind, const int sym, const uint8_t *row, ptrdiff_t e) {
+    bm_v r;
+    const int offset = sym ? (kind == BASERT_Q4 ? 8 : 128) : 0;
+    if (kind == BASERT_Q4) {
+        const uint8_t *p = row + (e >> 1);
+        for (int j = 0; j < 8; j++) {
+            r.v[2 * j] = (float)((int)(p[j] & 15) - offset);
+            r.v[2 * j + 1] = (float)((int)(p[j] >> 4) - offset);
+        }
+    } else {
+        for (int j = 0; j < 16; j++) r.v[j] = (float)((int)row[e + j] - offset);
     }
     return r;
 }
-static inline bm_v8 bm_q8x8(const uint8_t *row, ptrdiff_t e, int offset) {
-    bm_v8 r;
-    for (int j = 0; j < 8; j++) r.v[j] = (float)((int)row[e + j] - offset);
-    return r;
+BASERT_ALWAYS_INLINE void bm_codes32(const int kind, const int sym, const uint8_t *row, ptrdiff_t e, bm_v *a, bm_v *b) {
+    *a = bm_codes16(kind, sym, row, e);
+    *b = bm_codes16(kind, sym, row, e + 16);
 }
-static inline void bm_scales8(const uint16_t *bits, int bf16, float *out) {
+BASERT_ALWAYS_INLINE void bm_scales8(const uint16_t *bits, int bf16, float *out) {
     for (int j = 0; j < 8; j++) out[j] = bm_scale_f32(bits[j], bf16);
 }
 #endif
 
-/* ---- weight decoding, 8 values at a time ---- */
+/* ---- weight decoding, 16 values at a time ---- */
 
 BASERT_ALWAYS_INLINE int bm_is_dense(const int kind) { return kind == BASERT_F32 || kind == BASERT_F16 || kind == BASERT_BF16; }
 
-BASERT_ALWAYS_INLINE bm_v8 bm_dense8(const int kind, const uint8_t *row, ptrdiff_t e) {
+BASERT_ALWAYS_INLINE bm_v bm_dense16(const int kind, const uint8_t *row, ptrdiff_t e) {
     if (kind == BASERT_F32) return bm_load((const float *)(const void *)row + e);
-    if (kind == BASERT_F16) return bm_f16x8(row, e);
-    return bm_bf16x8(row, e);
+    if (kind == BASERT_F16) return bm_f16x16(row, e);
+    return bm_bf16x16(row, e);
 }
 
-/* Weights e..e+7 of a quantized row: code * scale + bias (exact with one FMA, as code * scale is
- * exact for f16/bf16 scales), or (code - 2^(bits-1)) * scale when symmetric: the reference values. */
-BASERT_ALWAYS_INLINE bm_v8 bm_quant8(const int kind, const int sym, const uint8_t *row, ptrdiff_t e, bm_v8 scale, bm_v8 bias) {
-    bm_v8 codes = kind == BASERT_Q4 ? bm_q4x8(row, e, sym ? 8 : 0) : bm_q8x8(row, e, sym ? 128 : 0);
+/* Quantized weights from their codes: code * scale + bias (exact with one FMA, as code * scale is exact
+ * for f16/bf16 scales), or (code - 2^(bits-1)) * scale when symmetric: the reference values. */
+BASERT_ALWAYS_INLINE bm_v bm_dequant(const int sym, bm_v codes, bm_v scale, bm_v bias) {
     return sym ? bm_mul(codes, scale) : bm_fma(codes, scale, bias);
 }
 
 /* n (<= 8) scale bits to floats. */
-static inline void bm_scales(const uint16_t *bits, ptrdiff_t n, int bf16, float *out) {
+BASERT_ALWAYS_INLINE void bm_scales(const uint16_t *bits, ptrdiff_t n, int bf16, float *out) {
     if (n == 8) {
         bm_scales8(bits, bf16, out);
         return;
     }
     for (ptrdiff_t j = 0; j < n; j++) out[j] = bm_scale_f32(bits[j], bf16);
+}
+
+/* Scale and bias vectors of elements e..e+15 when a group may end in their middle (group sizes that are
+ * not multiples of 16): lanes 0-7 take element e's group, lanes 8-15 element e+8's. */
+BASERT_ALWAYS_INLINE void bm_scales_at(const int sym, const basert_weight *w, const uint16_t *sp, const uint16_t *bp, ptrdiff_t e,
+                                       bm_v *scale, bm_v *bias) {
+    const ptrdiff_t g0 = e / w->group_size, g1 = (e + 8) / w->group_size;
+    const int bf16 = w->bf16_scales;
+    *scale = bm_set2(bm_scale_f32(sp[g0], bf16), bm_scale_f32(sp[g1], bf16));
+    *bias = sym ? *scale : bm_set2(bm_scale_f32(bp[g0], bf16), bm_scale_f32(bp[g1], bf16));
 }
 
 /* ---- de-quantize one row ---- */
@@ -254,20 +361,33 @@ BASERT_ALWAYS_INLINE void bm_dequant_row_kind(const int kind, const int sym, con
         memcpy(dst, p, (size_t)k * sizeof(float));
     } else if (bm_is_dense(kind)) {
         ptrdiff_t e = 0;
-        for (; e + 8 <= k; e += 8) bm_store(dst + e, bm_dense8(kind, p, e));
+        for (; e + 16 <= k; e += 16) bm_store(dst + e, bm_dense16(kind, p, e));
         for (; e < k; e++) dst[e] = bm_dense1(kind, p, e);
     } else {
         const ptrdiff_t gs = w->group_size, groups = k / gs;
         const uint16_t *sp = w->scales + row * groups, *bp = sym ? NULL : w->biases + row * groups;
-        float sf[8], bf[8];
-        for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
-            const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
-            bm_scales(sp + g0, gn, w->bf16_scales, sf);
-            if (!sym) bm_scales(bp + g0, gn, w->bf16_scales, bf);
-            for (ptrdiff_t g = 0; g < gn; g++) {
-                bm_v8 scale = bm_set1(sf[g]), bias = sym ? scale : bm_set1(bf[g]);
-                for (ptrdiff_t e = (g0 + g) * gs; e < (g0 + g + 1) * gs; e += 8)
-                    bm_store(dst + e, bm_quant8(kind, sym, p, e, scale, bias));
+        if (gs % 16 == 0) {
+            float sf[8], bf[8];
+            for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
+                const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
+                bm_scales(sp + g0, gn, w->bf16_scales, sf);
+                if (!sym) bm_scales(bp + g0, gn, w->bf16_scales, bf);
+                for (ptrdiff_t g = 0; g < gn; g++) {
+                    bm_v scale = bm_set1(sf[g]), bias = sym ? scale : bm_set1(bf[g]);
+                    for (ptrdiff_t e = (g0 + g) * gs; e < (g0 + g + 1) * gs; e += 16)
+                        bm_store(dst + e, bm_dequant(sym, bm_codes16(kind, sym, p, e), scale, bias));
+                }
+            }
+        } else {
+            ptrdiff_t e = 0;
+            for (; e + 16 <= k; e += 16) {
+                bm_v scale, bias;
+                bm_scales_at(sym, w, sp, bp, e, &scale, &bias);
+                bm_store(dst + e, bm_dequant(sym, bm_codes16(kind, sym, p, e), scale, bias));
+            }
+            for (; e < k; e++) {
+                const float s = bm_scale_f32(sp[e / gs], w->bf16_scales);
+                dst[e] = bm_quant1(kind, sym, p, e, s, sym ? s : bm_scale_f32(bp[e / gs], w->bf16_scales));
             }
         }
     }
@@ -302,6 +422,14 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
  * through de-quantized tiles. Streaming de-quantizes each weight once per 4 activation rows. */
 #define BASERT_STREAM_MAX_M 16
 
+/* Weight rows per streaming block when several activation rows share it: avx512 has 32 vector
+ * registers for 2 x 4 accumulators; a pair of __m256 per accumulator leaves avx2 room for 1 x 4. */
+#if defined(BASERT_AVX512)
+#define BM_STREAM_ROWS 2
+#else
+#define BM_STREAM_ROWS 1
+#endif
+
 /* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..4, R * C <= 8) activation
  * rows x + c * ldx: each de-quantized weight vector feeds C accumulators.
  * The R * C accumulators are independent, which hides the FMA latency. GS: the group size as a
@@ -309,33 +437,35 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
 BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int kind, const int sym, const ptrdiff_t GS,
                                           const basert_weight *w, ptrdiff_t row, const float *x, ptrdiff_t ldx, float *y,
                                           ptrdiff_t ldy) {
-    const ptrdiff_t k = w->k, k8 = k & ~(ptrdiff_t)7;
+    const ptrdiff_t k = w->k, k16 = k & ~(ptrdiff_t)15;
     const uint8_t *p[4];
-    bm_v8 acc[4][4];
+    bm_v acc[4][4];
     for (int r = 0; r < R; r++) {
         p[r] = w->data + (row + r) * w->row_bytes;
         for (int c = 0; c < C; c++) acc[r][c] = bm_zero();
     }
+    const ptrdiff_t gs = bm_is_dense(kind) ? 0 : GS ? GS : w->group_size, groups = gs ? k / gs : 0;
+    const uint16_t *sp[4], *bp[4];
+    for (int r = 0; r < R; r++) {
+        sp[r] = gs ? w->scales + (row + r) * groups : NULL;
+        bp[r] = gs && !sym ? w->biases + (row + r) * groups : NULL;
+    }
     if (bm_is_dense(kind)) {
         const ptrdiff_t esize = kind == BASERT_F32 ? 4 : 2;
-        for (ptrdiff_t e = 0; e < k8; e += 8) {
+        for (ptrdiff_t e = 0; e < k16; e += 16) {
             for (int r = 0; r < R; r++) {
                 __builtin_prefetch(p[r] + e * esize + BASERT_PREFETCH_BYTES);
-                bm_v8 wv = bm_dense8(kind, p[r], e);
+                if (esize == 4) __builtin_prefetch(p[r] + e * esize + BASERT_PREFETCH_BYTES + 32);
+                bm_v wv = bm_dense16(kind, p[r], e);
                 for (int c = 0; c < C; c++) acc[r][c] = bm_fma(bm_load(x + c * ldx + e), wv, acc[r][c]);
             }
         }
-    } else {
-        const ptrdiff_t gs = GS ? GS : w->group_size, groups = k / gs, gbytes = kind == BASERT_Q4 ? gs / 2 : gs;
+    } else if (gs % 16 == 0) {
+        const ptrdiff_t gbytes = kind == BASERT_Q4 ? gs / 2 : gs;
         /* Scales and biases are prefetched as many groups ahead as the codes. */
         const ptrdiff_t scale_ahead = 2 * BASERT_PREFETCH_BYTES / gbytes;
-        const uint16_t *sp[4], *bp[4];
         /* Scales of 8 groups at a time converted with one instruction, then broadcast per group. */
         float sf[4][8], bf[4][8];
-        for (int r = 0; r < R; r++) {
-            sp[r] = w->scales + (row + r) * groups;
-            bp[r] = sym ? NULL : w->biases + (row + r) * groups;
-        }
         for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
             const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
             for (int r = 0; r < R; r++) {
@@ -347,18 +477,43 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
                 if (!sym) bm_scales(bp[r] + g0, gn, w->bf16_scales, bf[r]);
             }
             for (ptrdiff_t g = 0; g < gn; g++) {
-                bm_v8 scale[4], bias[4];
+                bm_v scale[4], bias[4];
                 for (int r = 0; r < R; r++) {
                     scale[r] = bm_set1(sf[r][g]);
                     bias[r] = sym ? scale[r] : bm_set1(bf[r][g]);
                 }
                 const ptrdiff_t e0 = (g0 + g) * gs;
-                for (ptrdiff_t e = e0; e < e0 + gs; e += 8) {
-                    for (int r = 0; r < R; r++) {
-                        bm_v8 wv = bm_quant8(kind, sym, p[r], e, scale[r], bias[r]);
-                        for (int c = 0; c < C; c++) acc[r][c] = bm_fma(bm_load(x + c * ldx + e), wv, acc[r][c]);
+                if (gs % 32 == 0) {
+                    /* Two vectors per step: one q4 load and unpacking serves 32 weights. */
+                    for (ptrdiff_t e = e0; e < e0 + gs; e += 32) {
+                        for (int r = 0; r < R; r++) {
+                            bm_v c0, c1;
+                            bm_codes32(kind, sym, p[r], e, &c0, &c1);
+                            bm_v w0 = bm_dequant(sym, c0, scale[r], bias[r]), w1 = bm_dequant(sym, c1, scale[r], bias[r]);
+                            for (int c = 0; c < C; c++) {
+                                acc[r][c] = bm_fma(bm_load(x + c * ldx + e), w0, acc[r][c]);
+                                acc[r][c] = bm_fma(bm_load(x + c * ldx + e + 16), w1, acc[r][c]);
+                            }
+                        }
+                    }
+                } else {
+                    for (ptrdiff_t e = e0; e < e0 + gs; e += 16) {
+                        for (int r = 0; r < R; r++) {
+                            bm_v wv = bm_dequant(sym, bm_codes16(kind, sym, p[r], e), scale[r], bias[r]);
+                            for (int c = 0; c < C; c++) acc[r][c] = bm_fma(bm_load(x + c * ldx + e), wv, acc[r][c]);
+                        }
                     }
                 }
+            }
+        }
+    } else {
+        /* Groups that are not a multiple of 16: a vector may straddle two of them. */
+        for (ptrdiff_t e = 0; e < k16; e += 16) {
+            for (int r = 0; r < R; r++) {
+                bm_v scale, bias;
+                bm_scales_at(sym, w, sp[r], bp[r], e, &scale, &bias);
+                bm_v wv = bm_dequant(sym, bm_codes16(kind, sym, p[r], e), scale, bias);
+                for (int c = 0; c < C; c++) acc[r][c] = bm_fma(bm_load(x + c * ldx + e), wv, acc[r][c]);
             }
         }
     }
@@ -368,8 +523,17 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
         else
             for (int r = 0; r < R; r++) total[r] = bm_hsum(acc[r][c]);
         for (int r = 0; r < R; r++) {
-            if (bm_is_dense(kind)) /* the K % 8 tail */
-                for (ptrdiff_t e = k8; e < k; e++) total[r] = fmaf(x[c * ldx + e], bm_dense1(kind, p[r], e), total[r]);
+            /* The K % 16 tail (quantized weights have one only when the group size is not a multiple of 16). */
+            for (ptrdiff_t e = k16; e < k; e++) {
+                float wv;
+                if (bm_is_dense(kind)) {
+                    wv = bm_dense1(kind, p[r], e);
+                } else {
+                    const float s = bm_scale_f32(sp[r][e / gs], w->bf16_scales);
+                    wv = bm_quant1(kind, sym, p[r], e, s, sym ? s : bm_scale_f32(bp[r][e / gs], w->bf16_scales));
+                }
+                total[r] = fmaf(x[c * ldx + e], wv, total[r]);
+            }
             y[c * ldy + row + r] = total[r];
         }
     }
@@ -395,10 +559,10 @@ BASERT_ALWAYS_INLINE void bm_stream_quads(const int R, const int kind, const int
 BASERT_ALWAYS_INLINE void bm_stream_group(const int kind, const int sym, const ptrdiff_t GS, const basert_weight *w, const float *x,
                                           ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     ptrdiff_t row = r0;
-    /* Four weight rows for one activation row, two for several (four rows by three activation rows
-     * spill registers and measured no faster). */
+    /* Four weight rows for one activation row, two (avx512) or one for several. */
     if (m > 3) {
-        for (; row + 2 <= r1; row += 2) bm_stream_quads(2, kind, sym, GS, w, row, x, ldx, m, y, ldy);
+        for (; row + BM_STREAM_ROWS <= r1; row += BM_STREAM_ROWS)
+            bm_stream_quads(BM_STREAM_ROWS, kind, sym, GS, w, row, x, ldx, m, y, ldy);
         for (; row < r1; row++) bm_stream_quads(1, kind, sym, GS, w, row, x, ldx, m, y, ldy);
         return;
     }
@@ -438,19 +602,29 @@ static void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx,
 
 /* ---- larger M: de-quantize a tile of rows once, reuse it for every activation row ---- */
 
-/* Microkernel: out[c * ldo + r] for R (1..4) float weight rows x C (1..3) activation rows; each
+/* Microkernel shape: BM_TILE_R weight rows x BM_TILE_C activation rows of accumulators, sized to the
+ * vector registers (avx512: 16 of 32 zmm; avx2: 12 of 16 ymm, each accumulator a pair). */
+#if defined(BASERT_AVX512)
+#define BM_TILE_R 4
+#define BM_TILE_C 4
+#else
+#define BM_TILE_R 2
+#define BM_TILE_C 3
+#endif
+
+/* Microkernel: out[c * ldo + r] for R (1..4) float weight rows x C (1..4) activation rows; each
  * weight load serves C accumulators and each activation load R. */
 BASERT_ALWAYS_INLINE void bm_block(const int R, const int C, const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx,
                                    ptrdiff_t k, float *out, ptrdiff_t ldo) {
-    bm_v8 acc[4][3];
+    bm_v acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = bm_zero();
-    const ptrdiff_t k8 = k & ~(ptrdiff_t)7;
-    for (ptrdiff_t e = 0; e < k8; e += 8) {
-        bm_v8 xv[3];
+    const ptrdiff_t k16 = k & ~(ptrdiff_t)15;
+    for (ptrdiff_t e = 0; e < k16; e += 16) {
+        bm_v xv[4];
         for (int c = 0; c < C; c++) xv[c] = bm_load(x + c * ldx + e);
         for (int r = 0; r < R; r++) {
-            bm_v8 wv = bm_load(w + r * ldw + e);
+            bm_v wv = bm_load(w + r * ldw + e);
             for (int c = 0; c < C; c++) acc[r][c] = bm_fma(xv[c], wv, acc[r][c]);
         }
     }
@@ -460,24 +634,34 @@ BASERT_ALWAYS_INLINE void bm_block(const int R, const int C, const float *w, ptr
         else
             for (int r = 0; r < R; r++) total[r] = bm_hsum(acc[r][c]);
         for (int r = 0; r < R; r++) {
-            for (ptrdiff_t e = k8; e < k; e++) total[r] = fmaf(x[c * ldx + e], w[r * ldw + e], total[r]);
+            for (ptrdiff_t e = k16; e < k; e++) total[r] = fmaf(x[c * ldx + e], w[r * ldw + e], total[r]);
             out[c * ldo + r] = total[r];
         }
     }
 }
 
-#define BM_BLOCK(R, C)                                                                                                   \
-    static void bm_block_##R##x##C(const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx, ptrdiff_t k, float *out, \
-                                   ptrdiff_t ldo) {                                                                      \
-        bm_block(R, C, w, ldw, x, ldx, k, out, ldo);                                                                     \
+/* Activation rows i0..i1 against R weight rows: full BM_TILE_C blocks, then one block of the rest. */
+BASERT_ALWAYS_INLINE void bm_block_rows(const int R, const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx, ptrdiff_t k,
+                                        ptrdiff_t i0, ptrdiff_t i1, float *out, ptrdiff_t ldo) {
+    ptrdiff_t i = i0;
+    for (; i + BM_TILE_C <= i1; i += BM_TILE_C) bm_block(R, BM_TILE_C, w, ldw, x + i * ldx, ldx, k, out + i * ldo, ldo);
+    switch (i1 - i) {
+    case 3: bm_block(R, 3, w, ldw, x + i * ldx, ldx, k, out + i * ldo, ldo); break;
+    case 2: bm_block(R, 2, w, ldw, x + i * ldx, ldx, k, out + i * ldo, ldo); break;
+    case 1: bm_block(R, 1, w, ldw, x + i * ldx, ldx, k, out + i * ldo, ldo); break;
+    default: break;
     }
-BM_BLOCK(4, 3)
-BM_BLOCK(4, 2)
-BM_BLOCK(4, 1)
-BM_BLOCK(1, 3)
-BM_BLOCK(1, 2)
-BM_BLOCK(1, 1)
-#undef BM_BLOCK
+}
+
+static void bm_block_rows_full(const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx, ptrdiff_t k, ptrdiff_t i0,
+                               ptrdiff_t i1, float *out, ptrdiff_t ldo) {
+    bm_block_rows(BM_TILE_R, w, ldw, x, ldx, k, i0, i1, out, ldo);
+}
+
+static void bm_block_rows_one(const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx, ptrdiff_t k, ptrdiff_t i0,
+                              ptrdiff_t i1, float *out, ptrdiff_t ldo) {
+    bm_block_rows(1, w, ldw, x, ldx, k, i0, i1, out, ldo);
+}
 
 /* Floats per row of a de-quantized tile or of the aligned copy of x: K rounded up to a cache line
  * so every row starts 64-byte aligned (split loads cost the microkernel about a fifth of its speed). */
@@ -491,8 +675,8 @@ static inline ptrdiff_t basert_tile_rows(ptrdiff_t k) {
 
 /* Activation rows per block: about 96 KiB, so a block stays in L2 while the tile's rows sweep it. */
 static inline ptrdiff_t basert_x_block_rows(ptrdiff_t k) {
-    ptrdiff_t rows = 24576 / k / 3 * 3;
-    return rows < 3 ? 3 : rows;
+    ptrdiff_t rows = 24576 / k / BM_TILE_C * BM_TILE_C;
+    return rows < BM_TILE_C ? BM_TILE_C : rows;
 }
 
 /* out[0..m)[r0..r1) for m activation rows x (row stride ldx); r1 - r0 <= basert_tile_rows(k). buf
@@ -513,22 +697,8 @@ static void basert_gemm_tile(const basert_weight *w, const float *x, ptrdiff_t l
     for (ptrdiff_t m0 = 0; m0 < m; m0 += mb) {
         const ptrdiff_t m1 = m0 + mb < m ? m0 + mb : m;
         ptrdiff_t r = 0;
-        for (; r + 4 <= rows; r += 4) {
-            const float *wr = tile + r * ldw;
-            float *o = out + r0 + r;
-            ptrdiff_t i = m0;
-            for (; i + 3 <= m1; i += 3) bm_block_4x3(wr, ldw, x + i * ldx, ldx, k, o + i * n, n);
-            if (m1 - i == 2) bm_block_4x2(wr, ldw, x + i * ldx, ldx, k, o + i * n, n);
-            else if (m1 - i == 1) bm_block_4x1(wr, ldw, x + i * ldx, ldx, k, o + i * n, n);
-        }
-        for (; r < rows; r++) {
-            const float *wr = tile + r * ldw;
-            float *o = out + r0 + r;
-            ptrdiff_t i = m0;
-            for (; i + 3 <= m1; i += 3) bm_block_1x3(wr, ldw, x + i * ldx, ldx, k, o + i * n, n);
-            if (m1 - i == 2) bm_block_1x2(wr, ldw, x + i * ldx, ldx, k, o + i * n, n);
-            else if (m1 - i == 1) bm_block_1x1(wr, ldw, x + i * ldx, ldx, k, o + i * n, n);
-        }
+        for (; r + BM_TILE_R <= rows; r += BM_TILE_R) bm_block_rows_full(tile + r * ldw, ldw, x, ldx, k, m0, m1, out + r0 + r, n);
+        for (; r < rows; r++) bm_block_rows_one(tile + r * ldw, ldw, x, ldx, k, m0, m1, out + r0 + r, n);
     }
 }
 

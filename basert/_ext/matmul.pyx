@@ -169,8 +169,9 @@ def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
     rows = basert_tile_rows(k)
     tiles = (n + rows - 1) // rows
     stride = rows * basert_tile_stride(k) if w.c.kind != BASERT_F32 else 0
-    # The microkernel wants 32-byte aligned activation rows: copy x unless it already has them.
-    copied = m if (<size_t>&x[0, 0]) % 32 or k % 8 else 0
+    # The microkernel wants 64-byte aligned activation rows (a whole 16-float vector per cache line): copy x
+    # unless it already has them.
+    copied = m if (<size_t>&x[0, 0]) % 64 or k % 16 else 0
     ldx = basert_tile_stride(k) if copied else k
     if nt * stride + copied * ldx:
         buf = <float *>aligned_alloc(64, (nt * stride + copied * ldx) * sizeof(float))

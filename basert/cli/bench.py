@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -108,6 +109,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def kernel_variant() -> str:
+    """The CPU variant of the kernels this process runs (imports them)."""
+    import basert._ext
+
+    return basert._ext.VARIANT
+
+
+def use_variant(variant: str) -> None:
+    """Make this process run the `variant` kernels: set BASERT_CPU before they are imported; once another
+    variant is loaded (a module cannot be unloaded), run this command again in a fresh process with it set."""
+    if "basert._ext" not in sys.modules:
+        os.environ["BASERT_CPU"] = variant
+    elif kernel_variant() != variant:
+        argv = [sys.executable, "-m", "basert", *sys.argv[1:]]
+        os.execve(sys.executable, argv, {**os.environ, "BASERT_CPU": variant})
+
+
 def markdown_table(model_name: str, size_bytes: int, results: list[BenchResult]) -> str:
     size = f"{size_bytes / 2**20:.2f} MiB"
     lines = ["| model | size | test | t/s |", "| --- | ---: | ---: | ---: |"]
@@ -120,13 +138,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from basert.cli.generate import model_path_for
     from basert.engine.runner import default_threads
 
+    if args.variant:
+        use_variant(args.variant)
     path = model_path_for(args.model)
     if min(args.depth) < 0 or args.batch < 1:
         print("error: -d needs depths >= 0 and -b a batch >= 1", file=sys.stderr)
         return 2
     results = run_bench(path, args.n_prompt, args.n_gen, args.repetitions, args.warmup, args.threads,
                         args.kv_bits, tuple(args.depth), args.batch)
-    print(f"{cpu_model()}, {args.threads or default_threads()} threads", file=sys.stderr)
+    print(f"{cpu_model()} ({kernel_variant()} kernels), {args.threads or default_threads()} threads", file=sys.stderr)
     print(markdown_table(path.parent.parent.name if path.name == "model.base" else path.name,
                          path.stat().st_size, results))
     return 0
@@ -148,5 +168,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-r", "--repetitions", type=int, default=5, help="measured runs per test (default 5)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="unmeasured runs first (default 1)")
     p.add_argument("-t", "--threads", type=int, help="engine threads (default: one per physical core)")
+    p.add_argument("--variant", choices=("portable", "avx2", "avx512"),
+                   help="the CPU variant of the kernels (default: the best this CPU runs; same as BASERT_CPU)")
     p.add_argument("--kv-bits", type=int, choices=(16, 32), default=16, help="KV element width (default 16)")
     p.set_defaults(func=cmd_bench)
