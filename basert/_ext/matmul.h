@@ -430,8 +430,8 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
 #define BM_STREAM_ROWS 1
 #endif
 
-/* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..4, R * C <= 8) activation
- * rows x + c * ldx: each de-quantized weight vector feeds C accumulators.
+/* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..8; R * C <= 8, 16 on avx512)
+ * activation rows x + c * ldx: each de-quantized weight vector feeds C accumulators.
  * The R * C accumulators are independent, which hides the FMA latency. GS: the group size as a
  * constant (0: read it from w), so that size gets a fully unrolled group loop. */
 BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int kind, const int sym, const ptrdiff_t GS,
@@ -439,7 +439,7 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
                                           ptrdiff_t ldy) {
     const ptrdiff_t k = w->k, k16 = k & ~(ptrdiff_t)15;
     const uint8_t *p[4];
-    bm_v acc[4][4];
+    bm_v acc[4][8];
     for (int r = 0; r < R; r++) {
         p[r] = w->data + (row + r) * w->row_bytes;
         for (int c = 0; c < C; c++) acc[r][c] = bm_zero();
@@ -547,11 +547,15 @@ BASERT_ALWAYS_INLINE void bm_stream_rows(const int R, const int kind, const int 
     else bm_stream_block(R, 1, kind, sym, GS, w, row, x, ldx, y, ldy);
 }
 
-/* All m activation rows against R weight rows, four at a time (then the last 1..3). */
+/* All m activation rows against R weight rows, eight at a time on avx512 (its 32 registers hold 2 x 8
+ * accumulators: each weight is de-quantized once per 8 rows), then four at a time, then the last 1..3. */
 BASERT_ALWAYS_INLINE void bm_stream_quads(const int R, const int kind, const int sym, const ptrdiff_t GS,
                                           const basert_weight *w, ptrdiff_t row, const float *x, ptrdiff_t ldx,
                                           ptrdiff_t m, float *y, ptrdiff_t ldy) {
     ptrdiff_t c0 = 0;
+#if defined(BASERT_AVX512)
+    for (; c0 + 8 <= m; c0 += 8) bm_stream_block(R, 8, kind, sym, GS, w, row, x + c0 * ldx, ldx, y + c0 * ldy, ldy);
+#endif
     for (; c0 + 4 <= m; c0 += 4) bm_stream_block(R, 4, kind, sym, GS, w, row, x + c0 * ldx, ldx, y + c0 * ldy, ldy);
     if (c0 < m) bm_stream_rows(R, kind, sym, GS, w, row, x + c0 * ldx, ldx, m - c0, y + c0 * ldy, ldy);
 }
@@ -608,8 +612,27 @@ static void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx,
 #define BM_TILE_R 4
 #define BM_TILE_C 4
 #else
-#define BM_TILE_R 2
+#define BM_TILE_R 4
 #define BM_TILE_C 3
+#endif
+
+#if defined(BASERT_SIMD) && !defined(BASERT_AVX512)
+/* avx2: lanes 0-7 and lanes 8-15 of every accumulator are independent sums, so they are computed in two
+ * passes over K (the first 8 and the last 8 floats of each 16), each with R x C single registers: 4 x 3
+ * accumulators fit the 16 ymm registers, where pairs would spill. */
+BASERT_ALWAYS_INLINE void bm_block_half(const int R, const int C, const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx,
+                                        ptrdiff_t k16, ptrdiff_t half, __m256 acc[4][3]) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (ptrdiff_t e = half; e < k16; e += 16) {
+        __m256 xv[3];
+        for (int c = 0; c < C; c++) xv[c] = _mm256_loadu_ps(x + c * ldx + e);
+        for (int r = 0; r < R; r++) {
+            __m256 wv = _mm256_loadu_ps(w + r * ldw + e);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv[c], wv, acc[r][c]);
+        }
+    }
+}
 #endif
 
 /* Microkernel: out[c * ldo + r] for R (1..4) float weight rows x C (1..4) activation rows; each
@@ -617,9 +640,16 @@ static void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx,
 BASERT_ALWAYS_INLINE void bm_block(const int R, const int C, const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx,
                                    ptrdiff_t k, float *out, ptrdiff_t ldo) {
     bm_v acc[4][4];
+    const ptrdiff_t k16 = k & ~(ptrdiff_t)15;
+#if defined(BASERT_SIMD) && !defined(BASERT_AVX512)
+    __m256 lo[4][3], hi[4][3];
+    bm_block_half(R, C, w, ldw, x, ldx, k16, 0, lo);
+    bm_block_half(R, C, w, ldw, x, ldx, k16, 8, hi);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = (bm_v){lo[r][c], hi[r][c]};
+#else
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = bm_zero();
-    const ptrdiff_t k16 = k & ~(ptrdiff_t)15;
     for (ptrdiff_t e = 0; e < k16; e += 16) {
         bm_v xv[4];
         for (int c = 0; c < C; c++) xv[c] = bm_load(x + c * ldx + e);
@@ -628,6 +658,7 @@ BASERT_ALWAYS_INLINE void bm_block(const int R, const int C, const float *w, ptr
             for (int c = 0; c < C; c++) acc[r][c] = bm_fma(xv[c], wv, acc[r][c]);
         }
     }
+#endif
     for (int c = 0; c < C; c++) {
         float total[4];
         if (R == 4) bm_hsum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c], total);
