@@ -317,6 +317,35 @@ BASERT_ALWAYS_INLINE void bm_scales8(const uint16_t *bits, int bf16, float *out)
 }
 #endif
 
+#if defined(BASERT_AVX512)
+/* q4 on avx512, one group at a time: a group has only 16 possible weights, bm_dequant of the codes 0..15
+ * (fma(code, scale, bias), or (code - 8) * scale when symmetric), so they are computed once into one
+ * register and every weight is looked up in it by its code (vpermps): the same values as bm_dequant's,
+ * with no integer-to-float conversion or de-quantizing FMA per weight. */
+BASERT_ALWAYS_INLINE __m512 bm_q4_table(const int sym, __m512 scale, __m512 bias) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (sym) return _mm512_mul_ps(_mm512_sub_ps(codes, _mm512_set1_ps(8.0f)), scale);
+    return _mm512_fmadd_ps(codes, scale, bias);
+}
+
+/* The 32 weights of 16 packed q4 bytes (one group; byte b holds element 2b in its low nibble, 2b+1 in its
+ * high one): elements 0-15 in *w0, 16-31 in *w1. vpermps reads only the low 4 bits of each index lane, so
+ * lane j's index is a dword whose byte 0 is byte j/2 and byte 2 is byte 8 + j/2 (one byte shuffle of the 16
+ * bytes broadcast to every 128-bit lane), shifted right by 4 (j odd) and by 16 more for the second half. */
+BASERT_ALWAYS_INLINE void bm_q4_lookup32(const uint8_t *p, __m512 table, __m512 *w0, __m512 *w1) {
+    const __m512i spread = _mm512_set_epi32(
+        (int)0x800F8007, (int)0x800F8007, (int)0x800E8006, (int)0x800E8006, (int)0x800D8005, (int)0x800D8005,
+        (int)0x800C8004, (int)0x800C8004, (int)0x800B8003, (int)0x800B8003, (int)0x800A8002, (int)0x800A8002,
+        (int)0x80098001, (int)0x80098001, (int)0x80088000, (int)0x80088000);
+    const __m512i shift0 = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    const __m512i shift1 = _mm512_add_epi32(shift0, _mm512_set1_epi32(16));
+    const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)p));
+    const __m512i bytes = _mm512_shuffle_epi8(raw, spread);
+    *w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(bytes, shift0), table);
+    *w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(bytes, shift1), table);
+}
+#endif
+
 /* ---- weight decoding, 16 values at a time ---- */
 
 BASERT_ALWAYS_INLINE int bm_is_dense(const int kind) { return kind == BASERT_F32 || kind == BASERT_F16 || kind == BASERT_BF16; }
@@ -333,13 +362,21 @@ BASERT_ALWAYS_INLINE bm_v bm_dequant(const int sym, bm_v codes, bm_v scale, bm_v
     return sym ? bm_mul(codes, scale) : bm_fma(codes, scale, bias);
 }
 
-/* n (<= 8) scale bits to floats. */
+/* n scale bits to floats (exact conversions: the same values however many are converted at once). On avx512
+ * out has room for n rounded up to 16: whole vectors are stored (a masked store would not forward to the
+ * loads that soon read it). */
 BASERT_ALWAYS_INLINE void bm_scales(const uint16_t *bits, ptrdiff_t n, int bf16, float *out) {
-    if (n == 8) {
-        bm_scales8(bits, bf16, out);
-        return;
+    ptrdiff_t j = 0;
+#if defined(BASERT_AVX512)
+    for (; j < n; j += 16) {
+        const __mmask16 mask = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __m256i raw = _mm256_maskz_loadu_epi16(mask, bits + j);
+        _mm512_storeu_ps(out + j, bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)) : _mm512_cvtph_ps(raw));
     }
-    for (ptrdiff_t j = 0; j < n; j++) out[j] = bm_scale_f32(bits[j], bf16);
+#else
+    for (; j + 8 <= n; j += 8) bm_scales8(bits + j, bf16, out + j);
+    for (; j < n; j++) out[j] = bm_scale_f32(bits[j], bf16);
+#endif
 }
 
 /* Scale and bias vectors of elements e..e+15 when a group may end in their middle (group sizes that are
@@ -367,7 +404,7 @@ BASERT_ALWAYS_INLINE void bm_dequant_row_kind(const int kind, const int sym, con
         const ptrdiff_t gs = w->group_size, groups = k / gs;
         const uint16_t *sp = w->scales + row * groups, *bp = sym ? NULL : w->biases + row * groups;
         if (gs % 16 == 0) {
-            float sf[8], bf[8];
+            float sf[16], bf[16]; /* room for bm_scales' whole vectors */
             for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
                 const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
                 bm_scales(sp + g0, gn, w->bf16_scales, sf);
@@ -418,6 +455,9 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
  * DRAM, about the kernel's cache-resident speed); 2 to 8 KiB measured the same. */
 #define BASERT_PREFETCH_BYTES 2048
 
+/* Groups whose scales the streaming kernel converts to floats at once (a stack buffer per row). */
+#define BM_SCALE_RUN 64
+
 /* Batches of up to this many activation rows stream (decoding lanes together); larger ones go
  * through de-quantized tiles. Streaming de-quantizes each weight once per 4 activation rows. */
 #define BASERT_STREAM_MAX_M 16
@@ -462,27 +502,46 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
         }
     } else if (gs % 16 == 0) {
         const ptrdiff_t gbytes = kind == BASERT_Q4 ? gs / 2 : gs;
-        /* Scales and biases are prefetched as many groups ahead as the codes. */
-        const ptrdiff_t scale_ahead = 2 * BASERT_PREFETCH_BYTES / gbytes;
-        /* Scales of 8 groups at a time converted with one instruction, then broadcast per group. */
-        float sf[4][8], bf[4][8];
-        for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
-            const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
+        /* The next block's scales and biases (R consecutive rows of them) are prefetched while this one runs. */
+        for (ptrdiff_t off = 0; off < R * groups; off += 32) {
+            __builtin_prefetch(sp[0] + R * groups + off);
+            if (!sym) __builtin_prefetch(bp[0] + R * groups + off);
+        }
+        /* Scales of up to BM_SCALE_RUN groups of every row converted at once, then broadcast per group. */
+        float sf[4][BM_SCALE_RUN], bf[4][BM_SCALE_RUN];
+        for (ptrdiff_t g0 = 0; g0 < groups; g0 += BM_SCALE_RUN) {
+            const ptrdiff_t gn = groups - g0 < BM_SCALE_RUN ? groups - g0 : BM_SCALE_RUN;
             for (int r = 0; r < R; r++) {
-                const uint8_t *ahead = p[r] + g0 * gbytes + BASERT_PREFETCH_BYTES;
-                for (ptrdiff_t off = 0; off < 8 * gbytes; off += 64) __builtin_prefetch(ahead + off);
-                __builtin_prefetch((const uint8_t *)(sp[r] + g0) + scale_ahead);
-                if (!sym) __builtin_prefetch((const uint8_t *)(bp[r] + g0) + scale_ahead);
                 bm_scales(sp[r] + g0, gn, w->bf16_scales, sf[r]);
                 if (!sym) bm_scales(bp[r] + g0, gn, w->bf16_scales, bf[r]);
             }
             for (ptrdiff_t g = 0; g < gn; g++) {
+                /* One prefetch per cache line of codes, BASERT_PREFETCH_BYTES ahead along each row. */
+                if ((((g0 + g) * gbytes) & 63) < gbytes)
+                    for (int r = 0; r < R; r++) __builtin_prefetch(p[r] + (g0 + g) * gbytes + BASERT_PREFETCH_BYTES);
                 bm_v scale[4], bias[4];
                 for (int r = 0; r < R; r++) {
                     scale[r] = bm_set1(sf[r][g]);
                     bias[r] = sym ? scale[r] : bm_set1(bf[r][g]);
                 }
                 const ptrdiff_t e0 = (g0 + g) * gs;
+#if defined(BASERT_AVX512)
+                if (kind == BASERT_Q4 && gs % 32 == 0) {
+                    /* The group's 16 possible weights in one register, each weight looked up by its code. */
+                    __m512 table[4];
+                    for (int r = 0; r < R; r++) table[r] = bm_q4_table(sym, scale[r], bias[r]);
+                    for (ptrdiff_t e = e0; e < e0 + gs; e += 32) {
+                        for (int r = 0; r < R; r++) {
+                            __m512 w0, w1;
+                            bm_q4_lookup32(p[r] + (e >> 1), table[r], &w0, &w1);
+                            for (int c = 0; c < C; c++) {
+                                acc[r][c] = bm_fma(bm_load(x + c * ldx + e), w0, acc[r][c]);
+                                acc[r][c] = bm_fma(bm_load(x + c * ldx + e + 16), w1, acc[r][c]);
+                            }
+                        }
+                    }
+                } else
+#endif
                 if (gs % 32 == 0) {
                     /* Two vectors per step: one q4 load and unpacking serves 32 weights. */
                     for (ptrdiff_t e = e0; e < e0 + gs; e += 32) {
