@@ -105,9 +105,11 @@ def test_dense_matmul_bits(variant: str, kind: str, k: int) -> None:
 
 @pytest.mark.parametrize("variant", OTHERS)
 @pytest.mark.parametrize("spec", QUANT_SPECS + ODD_GROUP_SPECS, ids=lambda s: "-".join(map(str, s)))
-def test_quantized_matmul_bits(variant: str, spec: tuple) -> None:
+@pytest.mark.parametrize("groups", ("few", "many"))
+def test_quantized_matmul_bits(variant: str, spec: tuple, groups: str) -> None:
     kind, group, symmetric, scale_dtype = spec
-    k = group * (5 if group % 16 else 3)
+    # "many": rows of 65 groups, past the 64 groups whose scales the streaming kernel converts at once.
+    k = group * (65 if groups == "many" else 5 if group % 16 else 3)
     rng = np.random.default_rng(group)
     parts = weight_parts(kind, 41, k, rng, group, symmetric, scale_dtype)
     x = rng.standard_normal((max(M_VALUES), k), dtype=np.float32)
