@@ -61,6 +61,17 @@ def test_graph_steps_equal_the_per_kernel_path(name: str, kv_dtype: type, smollm
         assert same_bits(got, reference), f"{threads} threads"
 
 
+def test_one_graph_follows_thread_count_changes(smollm2_base: Path):
+    """A graph whose thread count changes between steps starts a team of that size with buffers to match: the
+    same bits as before."""
+    runner = open_runner(smollm2_base, np.float16, threads=1, graph=True)
+    first = script(runner)
+    for threads in (3, 2, 1):
+        runner.threads = threads
+        assert same_bits(script(runner), first), f"{threads} threads"
+    runner.close()
+
+
 def test_models_the_graph_does_not_run_keep_the_per_kernel_path(tiny_f32_bases: dict[str, Path]):
     for name in ("qwen3_5-tiny", "qwen3_5_moe-tiny"):
         runner = ModelRunner(tiny_f32_bases[name], max_context=64)

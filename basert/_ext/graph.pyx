@@ -29,7 +29,6 @@ cdef extern from "graph.h" nogil:
     void basert_team_run(basert_team *t, void *ctx, basert_phase_fn fn, basert_phase_prologue_fn prologue,
                          int n_phases, const int32_t *chunks)
     const int BASERT_TEAM_MAX_PHASES
-    const int BASERT_ATTN_MAX_ROWS
     const int BASERT_KV_BLOCK
     const int BASERT_ATTN_SEGMENT
     const int BG_PHASES_PER_LAYER
@@ -117,6 +116,7 @@ cdef class DecodeGraph:
     cdef int team_pid
     cdef int32_t *chunks
     cdef list keep
+    cdef list member_buffers  # the current team's per-member buffers (replaced with the team)
     cdef object k_bound, v_bound
     cdef readonly int max_tokens
     cdef readonly Py_ssize_t n_blocks
@@ -214,9 +214,10 @@ cdef class DecodeGraph:
         self.team_pid = pid
         cdef bg_model *m = &self.m
         m.n_members = self.team.n_threads
-        m.normed = _buffer(self.keep, (m.n_members, m.max_tokens, m.dim))
+        self.member_buffers = []
+        m.normed = _buffer(self.member_buffers, (m.n_members, m.max_tokens, m.dim))
         # Per member: the scores of one segment of a unit's rows, then the unit's row pointers (graph.h).
-        m.scores = _buffer(self.keep, (m.n_members, m.unit_rows * (BASERT_ATTN_SEGMENT + 8)))
+        m.scores = _buffer(self.member_buffers, (m.n_members, m.unit_rows * (BASERT_ATTN_SEGMENT + 8)))
         bg_plan_chunks(m)
         return 0
 
