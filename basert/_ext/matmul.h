@@ -362,6 +362,33 @@ BASERT_ALWAYS_INLINE bm_v bm_dequant(const int sym, bm_v codes, bm_v scale, bm_v
     return sym ? bm_mul(codes, scale) : bm_fma(codes, scale, bias);
 }
 
+/* What bm_weights32 looks a group's weights up in: for q4 on avx512 its 16 possible weights (bm_q4_table);
+ * unused otherwise. */
+BASERT_ALWAYS_INLINE bm_v bm_group_table(const int kind, const int sym, bm_v scale, bm_v bias) {
+#if defined(BASERT_AVX512)
+    if (kind == BASERT_Q4) return bm_q4_table(sym, scale, bias);
+#endif
+    (void)kind, (void)sym, (void)scale, (void)bias;
+    return bm_zero();
+}
+
+/* Weights e..e+31 of a row (group sizes that are multiples of 32): looked up in the group's table for q4 on
+ * avx512, the codes de-quantized with the group's scale and bias otherwise; the same values either way. */
+BASERT_ALWAYS_INLINE void bm_weights32(const int kind, const int sym, const uint8_t *row, ptrdiff_t e, bm_v scale, bm_v bias,
+                                       bm_v table, bm_v *w0, bm_v *w1) {
+#if defined(BASERT_AVX512)
+    if (kind == BASERT_Q4) {
+        bm_q4_lookup32(row + (e >> 1), table, w0, w1);
+        return;
+    }
+#endif
+    (void)table;
+    bm_v c0, c1;
+    bm_codes32(kind, sym, row, e, &c0, &c1);
+    *w0 = bm_dequant(sym, c0, scale, bias);
+    *w1 = bm_dequant(sym, c1, scale, bias);
+}
+
 /* n scale bits to floats (exact conversions: the same values however many are converted at once). On avx512
  * out has room for n rounded up to 16: whole vectors are stored (a masked store would not forward to the
  * loads that soon read it). */
@@ -525,30 +552,14 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
                     bias[r] = sym ? scale[r] : bm_set1(bf[r][g]);
                 }
                 const ptrdiff_t e0 = (g0 + g) * gs;
-#if defined(BASERT_AVX512)
-                if (kind == BASERT_Q4 && gs % 32 == 0) {
-                    /* The group's 16 possible weights in one register, each weight looked up by its code. */
-                    __m512 table[4];
-                    for (int r = 0; r < R; r++) table[r] = bm_q4_table(sym, scale[r], bias[r]);
-                    for (ptrdiff_t e = e0; e < e0 + gs; e += 32) {
-                        for (int r = 0; r < R; r++) {
-                            __m512 w0, w1;
-                            bm_q4_lookup32(p[r] + (e >> 1), table[r], &w0, &w1);
-                            for (int c = 0; c < C; c++) {
-                                acc[r][c] = bm_fma(bm_load(x + c * ldx + e), w0, acc[r][c]);
-                                acc[r][c] = bm_fma(bm_load(x + c * ldx + e + 16), w1, acc[r][c]);
-                            }
-                        }
-                    }
-                } else
-#endif
                 if (gs % 32 == 0) {
-                    /* Two vectors per step: one q4 load and unpacking serves 32 weights. */
+                    /* Two vectors per step: one load of codes serves 32 weights. */
+                    bm_v table[4];
+                    for (int r = 0; r < R; r++) table[r] = bm_group_table(kind, sym, scale[r], bias[r]);
                     for (ptrdiff_t e = e0; e < e0 + gs; e += 32) {
                         for (int r = 0; r < R; r++) {
-                            bm_v c0, c1;
-                            bm_codes32(kind, sym, p[r], e, &c0, &c1);
-                            bm_v w0 = bm_dequant(sym, c0, scale[r], bias[r]), w1 = bm_dequant(sym, c1, scale[r], bias[r]);
+                            bm_v w0, w1;
+                            bm_weights32(kind, sym, p[r], e, scale[r], bias[r], table[r], &w0, &w1);
                             for (int c = 0; c < C; c++) {
                                 acc[r][c] = bm_fma(bm_load(x + c * ldx + e), w0, acc[r][c]);
                                 acc[r][c] = bm_fma(bm_load(x + c * ldx + e + 16), w1, acc[r][c]);
