@@ -160,15 +160,19 @@ def test_matmul_many_equals_one_matmul_per_weight(spec: Spec, threads: None) -> 
         mm.matmul_many(x, [weights[0]], [np.zeros((20, 36), np.float32)])
 
 
-def test_tiles_split_across_threads_agree(threads: None) -> None:
-    # Enough rows for several weight tiles per thread and M above one activation block.
-    weight, reference = random_weight(Spec("base_q4", 32), 700, 576, seed=3)
-    x = np.random.default_rng(4).standard_normal((300, 576), dtype=np.float32)
+@pytest.mark.parametrize(("n", "k"), [(700, 576), (301, 1536)])
+def test_tiles_split_across_threads_agree(n: int, k: int, threads: None) -> None:
+    # Enough rows for several weight tiles per thread (301: the last tile ends inside a row block), and M
+    # above one activation block; 3 threads split the tiles unevenly.
+    weight, reference = random_weight(Spec("base_q4", 32), n, k, seed=3)
+    x = np.random.default_rng(4).standard_normal((300, k), dtype=np.float32)
     mm.set_num_threads(2)
     two = run(x, weight)
-    mm.set_num_threads(1)
-    assert same_bits(run(x, weight), two)
+    for nt in (1, 3):
+        mm.set_num_threads(nt)
+        assert same_bits(run(x, weight), two), nt
     assert same_bits(run(x[299:], weight), two[299:])
+    assert same_bits(run(x[1:140], weight), two[1:140])
     assert_close_to_reference(two, x, reference)
 
 

@@ -677,13 +677,24 @@ static void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx,
 /* ---- larger M: de-quantize a tile of rows once, reuse it for every activation row ---- */
 
 /* Microkernel shape: BM_TILE_R weight rows x BM_TILE_C activation rows of accumulators, sized to the
- * vector registers (avx512: 16 of 32 zmm; avx2: 12 of 16 ymm, each accumulator a pair). */
+ * vector registers. avx512: 8 x 3 = 24 of 32 zmm, the 3 activation vectors held in registers and each
+ * weight vector loaded once for its 3 FMAs (measured on SmolLM2's shapes against 4 x 4, 6 x 4, 4 x 6, 5 x 4,
+ * 7 x 3 and 3 x 8: 10% faster at K = 576 and a third at K = 1536, where fewer activation re-reads matter
+ * most). avx2: 4 x 3, 12 of 16 ymm (each accumulator a pair, computed in two passes). */
 #if defined(BASERT_AVX512)
-#define BM_TILE_R 4
-#define BM_TILE_C 4
+#define BM_TILE_R 8
+#define BM_TILE_C 3
 #else
 #define BM_TILE_R 4
 #define BM_TILE_C 3
+#endif
+
+/* Keeps a vector in a register: without it the compiler folds a load into every FMA that uses it, and
+ * the loads, not the FMAs, set the pace. */
+#if defined(BASERT_AVX512)
+#define BM_IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define BM_IN_REGISTER(v) ((void)0)
 #endif
 
 #if defined(BASERT_SIMD) && !defined(BASERT_AVX512)
@@ -691,11 +702,11 @@ static void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx,
  * passes over K (the first 8 and the last 8 floats of each 16), each with R x C single registers: 4 x 3
  * accumulators fit the 16 ymm registers, where pairs would spill. */
 BASERT_ALWAYS_INLINE void bm_block_half(const int R, const int C, const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx,
-                                        ptrdiff_t k16, ptrdiff_t half, __m256 acc[4][3]) {
+                                        ptrdiff_t k16, ptrdiff_t half, __m256 acc[BM_TILE_R][BM_TILE_C]) {
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     for (ptrdiff_t e = half; e < k16; e += 16) {
-        __m256 xv[3];
+        __m256 xv[BM_TILE_C];
         for (int c = 0; c < C; c++) xv[c] = _mm256_loadu_ps(x + c * ldx + e);
         for (int r = 0; r < R; r++) {
             __m256 wv = _mm256_loadu_ps(w + r * ldw + e);
@@ -705,14 +716,14 @@ BASERT_ALWAYS_INLINE void bm_block_half(const int R, const int C, const float *w
 }
 #endif
 
-/* Microkernel: out[c * ldo + r] for R (1..4) float weight rows x C (1..4) activation rows; each
- * weight load serves C accumulators and each activation load R. */
+/* Microkernel: out[c * ldo + r] for R (1..BM_TILE_R) float weight rows x C (1..BM_TILE_C) activation
+ * rows; each weight load serves C accumulators and each activation load R. */
 BASERT_ALWAYS_INLINE void bm_block(const int R, const int C, const float *w, ptrdiff_t ldw, const float *x, ptrdiff_t ldx,
                                    ptrdiff_t k, float *out, ptrdiff_t ldo) {
-    bm_v acc[4][4];
+    bm_v acc[BM_TILE_R][BM_TILE_C];
     const ptrdiff_t k16 = k & ~(ptrdiff_t)15;
 #if defined(BASERT_SIMD) && !defined(BASERT_AVX512)
-    __m256 lo[4][3], hi[4][3];
+    __m256 lo[BM_TILE_R][BM_TILE_C], hi[BM_TILE_R][BM_TILE_C];
     bm_block_half(R, C, w, ldw, x, ldx, k16, 0, lo);
     bm_block_half(R, C, w, ldw, x, ldx, k16, 8, hi);
     for (int r = 0; r < R; r++)
@@ -721,20 +732,24 @@ BASERT_ALWAYS_INLINE void bm_block(const int R, const int C, const float *w, ptr
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = bm_zero();
     for (ptrdiff_t e = 0; e < k16; e += 16) {
-        bm_v xv[4];
-        for (int c = 0; c < C; c++) xv[c] = bm_load(x + c * ldx + e);
+        bm_v xv[BM_TILE_C];
+        for (int c = 0; c < C; c++) {
+            xv[c] = bm_load(x + c * ldx + e);
+            BM_IN_REGISTER(xv[c]);
+        }
         for (int r = 0; r < R; r++) {
             bm_v wv = bm_load(w + r * ldw + e);
+            BM_IN_REGISTER(wv);
             for (int c = 0; c < C; c++) acc[r][c] = bm_fma(xv[c], wv, acc[r][c]);
         }
     }
 #endif
     for (int c = 0; c < C; c++) {
-        float total[4];
-        if (R == 4) bm_hsum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c], total);
-        else
-            for (int r = 0; r < R; r++) total[r] = bm_hsum(acc[r][c]);
-        for (int r = 0; r < R; r++) {
+        float total[BM_TILE_R];
+        int r = 0;
+        for (; r + 4 <= R; r += 4) bm_hsum4(acc[r][c], acc[r + 1][c], acc[r + 2][c], acc[r + 3][c], total + r);
+        for (; r < R; r++) total[r] = bm_hsum(acc[r][c]);
+        for (r = 0; r < R; r++) {
             for (ptrdiff_t e = k16; e < k; e++) total[r] = fmaf(x[c * ldx + e], w[r * ldw + e], total[r]);
             out[c * ldo + r] = total[r];
         }
@@ -747,7 +762,6 @@ BASERT_ALWAYS_INLINE void bm_block_rows(const int R, const float *w, ptrdiff_t l
     ptrdiff_t i = i0;
     for (; i + BM_TILE_C <= i1; i += BM_TILE_C) bm_block(R, BM_TILE_C, w, ldw, x + i * ldx, ldx, k, out + i * ldo, ldo);
     switch (i1 - i) {
-    case 3: bm_block(R, 3, w, ldw, x + i * ldx, ldx, k, out + i * ldo, ldo); break;
     case 2: bm_block(R, 2, w, ldw, x + i * ldx, ldx, k, out + i * ldo, ldo); break;
     case 1: bm_block(R, 1, w, ldw, x + i * ldx, ldx, k, out + i * ldo, ldo); break;
     default: break;
@@ -768,10 +782,33 @@ static void bm_block_rows_one(const float *w, ptrdiff_t ldw, const float *x, ptr
  * so every row starts 64-byte aligned (split loads cost the microkernel about a fifth of its speed). */
 static inline ptrdiff_t basert_tile_stride(ptrdiff_t k) { return (k + 15) & ~(ptrdiff_t)15; }
 
-/* Weight rows per tile: about 64 KiB of floats (L2-resident), a multiple of 4, at least 4. */
+/* Floats of a de-quantized tile: L2-resident. avx512: 256 KiB, so that the activation rows, which do not
+ * all fit in L2 at K = 1536 and 512 rows, are swept once per 40 weight rows instead of once per 8 (a third
+ * faster there); 64 KiB elsewhere. */
+#if defined(BASERT_AVX512)
+#define BM_TILE_FLOATS 65536
+#else
+#define BM_TILE_FLOATS 16384
+#endif
+
+/* Weight rows per tile at most: BM_TILE_FLOATS of floats, a multiple of BM_TILE_R, at least BM_TILE_R. */
 static inline ptrdiff_t basert_tile_rows(ptrdiff_t k) {
-    ptrdiff_t rows = (16384 / basert_tile_stride(k)) & ~(ptrdiff_t)3;
-    return rows < 4 ? 4 : rows > 64 ? 64 : rows;
+    ptrdiff_t rows = BM_TILE_FLOATS / basert_tile_stride(k) / BM_TILE_R * BM_TILE_R;
+    return rows < BM_TILE_R ? BM_TILE_R : rows;
+}
+
+/* The tiles of n weight rows for nt threads: about as many as basert_tile_rows needs, rounded up to a
+ * multiple of nt, each a whole number of BM_TILE_R-row blocks (tile t: basert_tile_start(t) up to
+ * basert_tile_start(t + 1)), so that every thread gets the same number of rows give or take one block. */
+static inline ptrdiff_t basert_tile_count(ptrdiff_t n, ptrdiff_t k, ptrdiff_t nt) {
+    const ptrdiff_t blocks = (n + BM_TILE_R - 1) / BM_TILE_R, per = basert_tile_rows(k) / BM_TILE_R;
+    ptrdiff_t tiles = (blocks + per - 1) / per;
+    tiles = (tiles + nt - 1) / nt * nt;
+    return tiles < blocks ? tiles : blocks;
+}
+static inline ptrdiff_t basert_tile_start(ptrdiff_t t, ptrdiff_t tiles, ptrdiff_t n) {
+    const ptrdiff_t blocks = (n + BM_TILE_R - 1) / BM_TILE_R, row = t * blocks / tiles * BM_TILE_R;
+    return row < n ? row : n;
 }
 
 /* Activation rows per block: about 96 KiB, so a block stays in L2 while the tile's rows sweep it. */

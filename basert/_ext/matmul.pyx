@@ -36,6 +36,8 @@ cdef extern from "matmul.h" nogil:
                        Py_ssize_t r1, float *y, Py_ssize_t ldy)
     Py_ssize_t basert_tile_stride(Py_ssize_t k)
     Py_ssize_t basert_tile_rows(Py_ssize_t k)
+    Py_ssize_t basert_tile_count(Py_ssize_t n, Py_ssize_t k, Py_ssize_t nt)
+    Py_ssize_t basert_tile_start(Py_ssize_t t, Py_ssize_t tiles, Py_ssize_t n)
     void basert_gemm_tile(const basert_weight *w, const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t r0,
                           Py_ssize_t r1, float *buf, float *out)
 
@@ -148,7 +150,7 @@ cdef class Weight:
 def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
     """out[M, N] = x[M, K] @ W^T in float32; out[m, n] does not depend on M, m or the thread count."""
     cdef Py_ssize_t m = x.shape[0], n = w.c.n, k = w.c.k
-    cdef Py_ssize_t per, chunks, rows, tiles, stride, ldx, copied, i, t
+    cdef Py_ssize_t per, chunks, tiles, stride, ldx, copied, i, t
     cdef int nt = _num_threads
     cdef float *buf = NULL
     cdef float *xs
@@ -166,9 +168,8 @@ def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
             for t in prange(chunks, num_threads=nt, schedule="static"):
                 basert_stream(&w.c, &x[0, 0], k, m, t * per, min(n, (t + 1) * per), &out[0, 0], n)
         return
-    rows = basert_tile_rows(k)
-    tiles = (n + rows - 1) // rows
-    stride = rows * basert_tile_stride(k) if w.c.kind != BASERT_F32 else 0
+    tiles = basert_tile_count(n, k, nt)
+    stride = basert_tile_rows(k) * basert_tile_stride(k) if w.c.kind != BASERT_F32 else 0
     # The microkernel wants 64-byte aligned activation rows (a whole 16-float vector per cache line): copy x
     # unless it already has them.
     copied = m if (<size_t>&x[0, 0]) % 64 or k % 16 else 0
@@ -184,7 +185,7 @@ def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
             for i in prange(copied, num_threads=nt, schedule="static"):
                 memcpy(xs + i * ldx, &x[i, 0], k * sizeof(float))
             for t in prange(tiles, num_threads=nt, schedule="static"):
-                basert_gemm_tile(&w.c, xs, ldx, m, t * rows, min(n, (t + 1) * rows),
+                basert_gemm_tile(&w.c, xs, ldx, m, basert_tile_start(t, tiles, n), basert_tile_start(t + 1, tiles, n),
                                  buf + threadid() * stride if stride else NULL, &out[0, 0])
     finally:
         free(buf)
