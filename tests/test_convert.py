@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 from conftest import FIXTURES, TINY_MODELS
+from gguf_files import random_blocks, write_gguf
 from safetensors.numpy import load_file
 
 from basert.convert import ConvertError, convert
@@ -144,38 +145,6 @@ def test_qwen3_next_split_reassembles_to_the_fused_source(tiny_f32_bases: dict[s
     assert np.array_equal(rebuilt, fused)
 
 
-def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], extra: dict | None = None) -> None:
-    """A GGUF with the given float tensors stored as the given types (quantized with gguf-py)."""
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(1)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_key_length(32)
-    writer.add_value_length(32)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(1e6)
-    writer.add_context_length(2048)
-    writer.add_vocab_size(512)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list([f"t{i}" for i in range(512)])
-    writer.add_token_merges([])
-    writer.add_token_types([1] * 512)
-    for name, (values, qtype) in tensors.items():
-        if qtype in (Q.F32, Q.F16):
-            data = values.astype(np.float32 if qtype == Q.F32 else np.float16)
-            writer.add_tensor(name, data)
-        else:
-            data = gguf.quants.quantize(values, qtype)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_gguf_lossless_types_dequantize_bit_exact(tmp_path: Path):
     rng = np.random.default_rng(3)
     tensors = {
@@ -191,11 +160,12 @@ def test_gguf_lossless_types_dequantize_bit_exact(tmp_path: Path):
     write_gguf(src, "qwen3", tensors)
     out = tmp_path / "mixed.base"
     report = convert(src, out)
-    assert any("Q5_1" in w and "re-quantized" in w for w in report.warnings)
+    assert not any("re-quantized" in w for w in report.warnings)
     reader = gguf.GGUFReader(src)
     expected_dtype = {
         "token_embd.weight": "base_q8", "output_norm.weight": "f32", "blk.0.attn_q.weight": "base_q4",
         "blk.0.attn_k.weight": "base_q4", "blk.0.attn_v.weight": "f16", "blk.0.attn_output.weight": "bf16",
+        "blk.0.ffn_down.weight": "base_q5",
     }
     with BaseFile(out, verify_checksums=True) as base:
         assert base.arch == "qwen"
@@ -215,10 +185,48 @@ def test_gguf_lossless_types_dequantize_bit_exact(tmp_path: Path):
                     assert np.all(got[differ] == 0.0)
                 else:
                     assert np.array_equal(got.view(np.uint32), reference.view(np.uint32)), tensor.name
-            else:
-                # Q5_1 has no lossless mapping: re-quantized to base_q8, close but not exact.
-                assert base.tensors[ours].dtype == "base_q8"
-                assert np.max(np.abs(got - reference)) < 0.05
+
+
+def test_gguf_blocks_are_kept_byte_for_byte(tmp_path: Path):
+    """K-quant and Q5_0/Q5_1 rows go into the .base unchanged, and de-quantize to gguf-py's values bit for bit."""
+    rng = np.random.default_rng(7)
+    types = {
+        "blk.0.attn_q.weight": (Q.Q2_K, 128, 256), "blk.0.attn_k.weight": (Q.Q3_K, 64, 256),
+        "blk.0.attn_v.weight": (Q.Q4_K, 64, 256), "blk.0.attn_output.weight": (Q.Q5_K, 64, 512),
+        "blk.0.ffn_gate.weight": (Q.Q6_K, 128, 256), "blk.0.ffn_up.weight": (Q.Q5_0, 128, 64),
+        "blk.0.ffn_down.weight": (Q.Q5_1, 64, 128),
+    }
+    tensors = {name: (random_blocks(rng, qtype, rows, k), qtype) for name, (qtype, rows, k) in types.items()}
+    tensors["token_embd.weight"] = (rng.standard_normal((512, 64), dtype=np.float32), Q.Q8_0)
+    tensors["output_norm.weight"] = (rng.standard_normal(64, dtype=np.float32), Q.F32)
+    src = tmp_path / "kquants.gguf"
+    write_gguf(src, "llama", tensors)
+    out = tmp_path / "kquants.base"
+    report = convert(src, out)
+    assert report.warnings == []
+    assert {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"} <= set(report.dtype_counts)
+    reader = gguf.GGUFReader(src)
+    from basert.convert.gguf_source import canonical_name
+
+    with BaseFile(out, verify_checksums=True) as base:
+        for tensor in reader.tensors:
+            if tensor.name not in types:
+                continue
+            qtype, rows, k = types[tensor.name]
+            info = base.tensors[canonical_name(tensor.name)]
+            assert (info.storage, info.array_shape, info.group_size) == (qtype.name, (rows, k),
+                                                                        gguf.GGML_QUANT_SIZES[qtype][0])
+            entry = next(e for e in base.header["tensors"] if e["name"] == info.name)
+            assert (entry["layout"], entry["source_ggml_type"]) == ("gguf_super", int(qtype))
+            assert np.array_equal(base.payload(info.name), np.asarray(tensor.data).reshape(-1))
+            got = base.dequantize(info.name)
+            reference = gguf.quants.dequantize(tensor.data, qtype).astype(np.float32).reshape(rows, k)
+            assert np.array_equal(got.view(np.uint32), reference.view(np.uint32)), tensor.name
+    # An explicit base-q8 target re-quantizes them instead.
+    q8 = tmp_path / "q8.base"
+    convert(src, q8, target="base-q8")
+    with BaseFile(q8) as base:
+        assert {base.tensors[canonical_name(name)].storage for name in types} == {"base_q8"}
 
 
 def test_quantized_targets_and_profile(tmp_path: Path):

@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
+from gguf_files import random_blocks
 
 import basert._ext as ext
+from basert._ext import matmul
 from basert.format.quant import f32_to_bf16_bits, quantize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +118,18 @@ def test_quantized_matmul_bits(variant: str, spec: tuple, groups: str) -> None:
     x = rng.standard_normal((max(M_VALUES), k), dtype=np.float32)
     for m in M_VALUES:
         assert same_bits(matmul_bits(variant, parts, x[:m]), matmul_bits("portable", parts, x[:m])), (spec, m)
+
+
+@pytest.mark.parametrize("variant", OTHERS)
+@pytest.mark.parametrize("kind", sorted(matmul.BLOCK_KINDS))
+def test_gguf_block_matmul_bits(variant: str, kind: str) -> None:
+    rng = np.random.default_rng(matmul.BLOCK_KINDS[kind])
+    values = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
+    k = 2 * values if values == 256 else 5 * values
+    parts = (kind, 19, k, random_blocks(rng, gguf.GGMLQuantizationType[kind], 19, k).reshape(-1))
+    x = rng.standard_normal((max(M_VALUES), k), dtype=np.float32)
+    for m in M_VALUES:
+        assert same_bits(matmul_bits(variant, parts, x[:m]), matmul_bits("portable", parts, x[:m])), (kind, m)
 
 
 @pytest.mark.parametrize("variant", OTHERS)

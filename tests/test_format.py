@@ -42,6 +42,7 @@ from basert.format import (
     scale_values,
     unpack_q4,
 )
+from basert.format.ggml_blocks import BLOCK_TYPES
 
 HF_SOURCE = {"format": "hf_safetensors", "sha256": "00" * 32, "filename": "model.safetensors"}
 GGUF_SOURCE = {"format": "gguf", "sha256": "11" * 32, "filename": "model.gguf"}
@@ -615,3 +616,56 @@ def test_error_names_the_file(sample: Path) -> None:
         BaseFile(sample)
     assert str(raised.value).startswith(f"{sample}: ")
     assert isinstance(raised.value, ModelValidationError) and isinstance(raised.value, ValueError)
+
+
+def _write_blocks(path: Path) -> np.ndarray:
+    """A file with one tensor of Q4_K blocks kept as they are: 3 rows of 512 values (2 super-blocks each)."""
+    block_type = BLOCK_TYPES[int(GGMLQuantizationType.Q4_K)]
+    raw = np.random.default_rng(2).integers(0, 256, (3, block_type.row_bytes(512)), dtype=np.uint8)
+    raw.reshape(-1, block_type.block_bytes)[:, 0:4] = np.frombuffer(
+        np.array([0.01, 0.002], dtype="<f2").tobytes(), dtype=np.uint8)  # finite d and dmin
+    with BaseWriter(path, arch="llama", config={}, tokenizer={"tokenizer_type": "hf"}, source=HF_SOURCE,
+                    quant_scheme="auto") as writer:
+        writer.add_blocks("q4k", raw, block_type, (3, 512))
+        with pytest.raises(ValueError, match="720 bytes of Q4_K blocks, expected 864"):
+            writer.add_blocks("short", raw.reshape(-1)[:-144], block_type, (3, 512))
+        with pytest.raises(ValueError, match=r"rows of shape \[3, 480\] do not split into Q4_K blocks of 256"):
+            writer.add_blocks("odd", raw, block_type, (3, 480))
+    return raw
+
+
+def test_gguf_blocks_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "blocks.base"
+    raw = _write_blocks(path)
+    header, _ = _read_header(path)
+    entry = _tensor(header, "q4k")
+    assert {k: entry[k] for k in ("dtype", "group_size", "layout", "source_ggml_type", "length")} == {
+        "dtype": "base_q4", "group_size": 256, "layout": "gguf_super", "source_ggml_type": 12, "length": raw.nbytes}
+    with BaseFile(path, verify_checksums=True) as bf:
+        info = bf.tensors["q4k"]
+        assert (info.storage, info.is_blocks, info.is_quantized) == ("Q4_K", True, False)
+        assert np.array_equal(bf.payload("q4k"), raw.reshape(-1))
+        expected = gguf_quants.dequantize(raw, GGMLQuantizationType.Q4_K)
+        assert np.array_equal(_bits(bf.dequantize("q4k")), _bits(expected))
+        with pytest.raises(ValueError, match="not quantized"):
+            bf.packed("q4k")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "message"),
+    [
+        ("source_ggml_type", 99, UnsupportedDtypeError, r"source_ggml_type 99, which this reader does not support"),
+        ("source_ggml_type", "12", UnsupportedDtypeError, r"source_ggml_type '12', which this reader does not"),
+        ("layout", "tiled", UnsupportedDtypeError, r"layout 'tiled', which this reader does not support"),
+        ("dtype", "base_q8", InvalidHeaderError, r"holds Q4_K blocks, which are dtype 'base_q4' with group_size 256"),
+        ("group_size", 32, InvalidHeaderError, r"holds Q4_K blocks, which are dtype 'base_q4' with group_size 256"),
+        ("length", 720, TensorOutOfBoundsError, r"length 720 does not match the 864 bytes of Q4_K \[3, 512\]"),
+        ("shape", [3, 480], InvalidHeaderError, r"rows of shape \[3, 480\] do not split into Q4_K blocks of 256"),
+    ],
+)
+def test_bad_gguf_blocks_entry(tmp_path: Path, field: str, value: Any, error: type[Exception], message: str) -> None:
+    path = tmp_path / "blocks.base"
+    _write_blocks(path)
+    _patch_header(path, lambda header: _tensor(header, "q4k").update({field: value}))
+    with pytest.raises(error, match=message):
+        BaseFile(path)

@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 import pytest
+from gguf_files import random_blocks
 
 from basert._ext import matmul as mm
 from basert.format.quant import bf16_bits_to_f32, dequantize, f32_to_bf16_bits, from_parts, quantize
@@ -328,3 +330,44 @@ def test_empty_batch_and_empty_weight_leave_out_untouched() -> None:
     out = np.full((3, 0), 7.0, np.float32)
     mm.matmul(np.ones((3, 32), np.float32), weight.rows(2, 2), out)
     assert out.shape == (3, 0)
+
+
+@pytest.mark.parametrize("kind", sorted(mm.BLOCK_KINDS))
+def test_gguf_blocks_compute_with_gguf_pys_values(kind: str, threads: None) -> None:
+    """Weights of GGUF blocks give the bits of the same values as an f32 weight (gguf-py's de-quantization), at
+    every batch size and thread count; embed_rows returns those values."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    values = gguf.GGML_QUANT_SIZES[qtype][0]
+    n, k = 37, 3 * values if values == 256 else 9 * values
+    rng = np.random.default_rng(mm.BLOCK_KINDS[kind])
+    raw = random_blocks(rng, qtype, n, k)
+    weight = mm.Weight(kind, n, k, readonly(raw.reshape(-1)))
+    assert (weight.kind, weight.group_size) == (kind, values)
+    reference = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+    as_f32 = mm.Weight("f32", n, k, readonly(reference.reshape(-1).view(np.uint8)))
+    ids = np.array([0, 36, 5, 5], dtype=np.int32)
+    rows = np.empty((4, k), dtype=np.float32)
+    mm.embed_rows(weight, ids, rows)
+    assert same_bits(rows, reference[ids])
+    x = rng.standard_normal((40, k), dtype=np.float32)
+    for nt in (1, 2, 3):
+        mm.set_num_threads(nt)
+        for m in (1, 3, 16, 40):
+            assert same_bits(run(x[:m], weight), run(x[:m], as_f32)), (nt, m)
+    assert same_bits(run(x, weight.rows(5, 30)), run(x, as_f32)[:, 5:30])
+    outs = [np.empty((8, n), dtype=np.float32), np.empty((8, n), dtype=np.float32)]
+    mm.matmul_many(x[:8], [weight, as_f32], outs)
+    assert same_bits(outs[0], outs[1])
+    assert_close_to_reference(run(x, weight), x, reference)
+
+
+def test_gguf_block_weights_are_checked() -> None:
+    raw = np.zeros(144 * 2, dtype=np.uint8)
+    with pytest.raises(ValueError, match="K=300 is not a whole number of Q4_K blocks of 256"):
+        mm.Weight("Q4_K", 1, 300, raw)
+    with pytest.raises(ValueError, match=r"Q4_K \[2, 256\] needs 288 data bytes, got 144"):
+        mm.Weight("Q4_K", 2, 256, raw[:144])
+    with pytest.raises(ValueError, match="hold their own scales"):
+        mm.Weight("Q4_K", 1, 512, raw, np.zeros(2, np.uint16))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        mm.Weight("Q4_Z", 1, 512, raw)

@@ -16,19 +16,23 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "blocks.h"
 #include "simd.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-enum { BASERT_F32 = 0, BASERT_F16 = 1, BASERT_BF16 = 2, BASERT_Q4 = 3, BASERT_Q8 = 4 };
+/* BASERT_BLOCKS: GGUF quantized blocks kept as they are (blocks.h), de-quantized a block at a time (streaming)
+ * or a row at a time (into the tiles). */
+enum { BASERT_F32 = 0, BASERT_F16 = 1, BASERT_BF16 = 2, BASERT_Q4 = 3, BASERT_Q8 = 4, BASERT_BLOCKS = 5 };
 
 /* One [n, k] weight matrix as raw pointers into arrays the Python Weight keeps alive. */
 typedef struct {
     int kind;
     int bf16_scales;           /* scales/biases are bf16 bits (else f16) */
-    ptrdiff_t n, k, group_size; /* group_size 0 for dense kinds */
+    int ggml_type;             /* BASERT_BLOCKS: the GGUF type of the blocks */
+    ptrdiff_t n, k, group_size; /* group_size 0 for dense kinds, the values per block for BASERT_BLOCKS */
     ptrdiff_t row_bytes;       /* bytes of packed values per row */
     const uint8_t *data;
     const uint16_t *scales;    /* k / group_size per row; NULL for dense */
@@ -117,6 +121,8 @@ BASERT_ALWAYS_INLINE bm_v bm_load(const float *p) { return _mm512_loadu_ps(p); }
 BASERT_ALWAYS_INLINE void bm_store(float *p, bm_v v) { _mm512_storeu_ps(p, v); }
 BASERT_ALWAYS_INLINE bm_v bm_fma(bm_v a, bm_v b, bm_v c) { return _mm512_fmadd_ps(a, b, c); }
 BASERT_ALWAYS_INLINE bm_v bm_mul(bm_v a, bm_v b) { return _mm512_mul_ps(a, b); }
+BASERT_ALWAYS_INLINE bm_v bm_add(bm_v a, bm_v b) { return _mm512_add_ps(a, b); }
+BASERT_ALWAYS_INLINE bm_v bm_sub(bm_v a, bm_v b) { return _mm512_sub_ps(a, b); }
 /* Lane i + lane i+8, i = 0..7: the first step of the horizontal sum. */
 BASERT_ALWAYS_INLINE __m256 bm_fold(bm_v v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -150,6 +156,8 @@ BASERT_ALWAYS_INLINE bm_v bm_fma(bm_v a, bm_v b, bm_v c) {
     return (bm_v){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 BASERT_ALWAYS_INLINE bm_v bm_mul(bm_v a, bm_v b) { return (bm_v){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+BASERT_ALWAYS_INLINE bm_v bm_add(bm_v a, bm_v b) { return (bm_v){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+BASERT_ALWAYS_INLINE bm_v bm_sub(bm_v a, bm_v b) { return (bm_v){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 BASERT_ALWAYS_INLINE __m256 bm_fold(bm_v v) { return _mm256_add_ps(v.lo, v.hi); }
 BASERT_ALWAYS_INLINE bm_v bm_f16x16(const uint8_t *row, ptrdiff_t e) {
     return (bm_v){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * e))),
@@ -389,6 +397,82 @@ BASERT_ALWAYS_INLINE void bm_weights32(const int kind, const int sym, const uint
     *w1 = bm_dequant(sym, c1, scale, bias);
 }
 
+/* One GGUF block to floats: the values of basert_dequant_block (the same products and differences, 16 lanes
+ * at a time) for the types K-quant mixes use most; the others, and the portable variant, run it as it is. */
+#if defined(BASERT_SIMD)
+/* Bytes p[0..16) shifted right by `shift` bits, masked to `mask`. */
+BASERT_ALWAYS_INLINE __m128i bm_bits16(const uint8_t *p, int shift, int mask) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm_set1_epi8((char)mask));
+}
+
+/* Q4_K / Q5_K (see blocks.h): sub-block s, half h, codes from the nibbles (and the qh bit) of 16 bytes. */
+BASERT_ALWAYS_INLINE void bm_dequant_q45_k(const uint8_t *b, const int five, float *dst) {
+    const float d = basert_block_f16(b), dmin = basert_block_f16(b + 2);
+    const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
+    for (int s = 0; s < 8; s++) {
+        int scale, min;
+        basert_k_scale_min(sc, s, &scale, &min);
+        const bm_v ds = bm_set1(d * (float)scale), dm = bm_set1(dmin * (float)min);
+        for (int h = 0; h < 2; h++) {
+            __m128i q = bm_bits16(qs + 32 * (s >> 1) + 16 * h, 4 * (s & 1), 15);
+            if (five) q = _mm_or_si128(q, _mm_slli_epi16(bm_bits16(qh + 16 * h, s, 1), 4));
+            bm_store(dst + 32 * s + 16 * h, bm_sub(bm_mul(ds, bm_bytes16(q, 0)), dm));
+        }
+    }
+}
+
+/* Q6_K: 16 values at a time (one scale each). */
+BASERT_ALWAYS_INLINE void bm_dequant_q6_k(const uint8_t *b, float *dst) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(const void *)(b + 192);
+    const float d = basert_block_f16(b + 208);
+    for (int e = 0; e < 256; e += 16) {
+        const int h = e >> 7, u = (e >> 5) & 3, j = e & 31;
+        const __m128i low = bm_bits16(ql + 64 * h + 32 * (u & 1) + j, 4 * (u >> 1), 15);
+        const __m128i high = _mm_slli_epi16(bm_bits16(qh + 32 * h + j, 2 * u, 3), 4);
+        const __m128i q = _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
+        bm_store(dst + e, bm_mul(bm_set1(d * (float)scales[e >> 4]), bm_bytes16(q, 1)));
+    }
+}
+
+/* Q5_0 / Q5_1: the fifth bits of 16 elements (bits 16h .. 16h+15 of qh) as 0x10 bytes. */
+BASERT_ALWAYS_INLINE __m128i bm_q5_high16(uint32_t high, int h) {
+    const __m128i bits = _mm_set1_epi16((short)(high >> (16 * h)));
+    const __m128i spread = _mm_shuffle_epi8(bits, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i mask = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, mask), mask), _mm_set1_epi8(16));
+}
+BASERT_ALWAYS_INLINE void bm_dequant_q5(const uint8_t *b, const int with_min, float *dst) {
+    const float d = basert_block_f16(b), m = with_min ? basert_block_f16(b + 2) : 0.0f;
+    const uint8_t *qh = b + (with_min ? 4 : 2), *qs = qh + 4;
+    const uint32_t high = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) | ((uint32_t)qh[3] << 24);
+    for (int h = 0; h < 2; h++) {
+        __m128i q = _mm_or_si128(bm_bits16(qs, 4 * h, 15), bm_q5_high16(high, h));
+        if (with_min) {
+            bm_store(dst + 16 * h, bm_add(bm_mul(bm_set1(d), bm_bytes16(q, 0)), bm_set1(m)));
+        } else {
+            q = _mm_sub_epi8(q, _mm_set1_epi8(16));
+            bm_store(dst + 16 * h, bm_mul(bm_set1(d), bm_bytes16(q, 1)));
+        }
+    }
+}
+#endif
+
+BASERT_ALWAYS_INLINE void bm_dequant_block(int type, const uint8_t *block, float *dst) {
+#if defined(BASERT_SIMD)
+    switch (type) {
+    case BASERT_GGML_Q4_K: bm_dequant_q45_k(block, 0, dst); return;
+    case BASERT_GGML_Q5_K: bm_dequant_q45_k(block, 1, dst); return;
+    case BASERT_GGML_Q6_K: bm_dequant_q6_k(block, dst); return;
+    case BASERT_GGML_Q5_0: bm_dequant_q5(block, 0, dst); return;
+    case BASERT_GGML_Q5_1: bm_dequant_q5(block, 1, dst); return;
+    default: break;
+    }
+#endif
+    basert_dequant_block(type, block, dst);
+}
+
 /* n scale bits to floats (exact conversions: the same values however many are converted at once). On avx512
  * out has room for n rounded up to 16: whole vectors are stored (a masked store would not forward to the
  * loads that soon read it). */
@@ -461,6 +545,12 @@ BASERT_ALWAYS_INLINE void bm_dequant_row_kind(const int kind, const int sym, con
 static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst) {
     const int sym = w->biases == NULL;
     switch (w->kind) {
+    case BASERT_BLOCKS: {
+        const ptrdiff_t values = w->group_size, bytes = basert_block_bytes(w->ggml_type);
+        const uint8_t *p = w->data + row * w->row_bytes;
+        for (ptrdiff_t b = 0; b < w->k / values; b++) bm_dequant_block(w->ggml_type, p + b * bytes, dst + b * values);
+        break;
+    }
     case BASERT_F32: bm_dequant_row_kind(BASERT_F32, 0, w, row, dst); break;
     case BASERT_F16: bm_dequant_row_kind(BASERT_F16, 0, w, row, dst); break;
     case BASERT_BF16: bm_dequant_row_kind(BASERT_BF16, 0, w, row, dst); break;
@@ -511,13 +601,29 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
         p[r] = w->data + (row + r) * w->row_bytes;
         for (int c = 0; c < C; c++) acc[r][c] = bm_zero();
     }
-    const ptrdiff_t gs = bm_is_dense(kind) ? 0 : GS ? GS : w->group_size, groups = gs ? k / gs : 0;
+    const ptrdiff_t gs = bm_is_dense(kind) || kind == BASERT_BLOCKS ? 0 : GS ? GS : w->group_size, groups = gs ? k / gs : 0;
     const uint16_t *sp[4], *bp[4];
     for (int r = 0; r < R; r++) {
         sp[r] = gs ? w->scales + (row + r) * groups : NULL;
         bp[r] = gs && !sym ? w->biases + (row + r) * groups : NULL;
     }
-    if (bm_is_dense(kind)) {
+    if (kind == BASERT_BLOCKS) {
+        /* GGUF blocks: a block of each of the R rows de-quantized into a buffer (the exact values of
+         * basert_dequant_row), then summed as dense weights. */
+        const ptrdiff_t values = w->group_size, bytes = basert_block_bytes(w->ggml_type);
+        float buf[4][256] __attribute__((aligned(64)));
+        for (ptrdiff_t b = 0; b < k / values; b++) {
+            for (int r = 0; r < R; r++) {
+                __builtin_prefetch(p[r] + (b + 8) * bytes);
+                bm_dequant_block(w->ggml_type, p[r] + b * bytes, buf[r]);
+            }
+            for (ptrdiff_t e = 0; e < values; e += 16)
+                for (int r = 0; r < R; r++) {
+                    const bm_v wv = bm_load(buf[r] + e);
+                    for (int c = 0; c < C; c++) acc[r][c] = bm_fma(bm_load(x + c * ldx + b * values + e), wv, acc[r][c]);
+                }
+        }
+    } else if (bm_is_dense(kind)) {
         const ptrdiff_t esize = kind == BASERT_F32 ? 4 : 2;
         for (ptrdiff_t e = 0; e < k16; e += 16) {
             for (int r = 0; r < R; r++) {
@@ -593,7 +699,8 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
         else
             for (int r = 0; r < R; r++) total[r] = bm_hsum(acc[r][c]);
         for (int r = 0; r < R; r++) {
-            /* The K % 16 tail (quantized weights have one only when the group size is not a multiple of 16). */
+            /* The K % 16 tail (quantized weights have one only when the group size is not a multiple of 16; GGUF
+             * blocks never: a row is a whole number of them). */
             for (ptrdiff_t e = k16; e < k; e++) {
                 float wv;
                 if (bm_is_dense(kind)) {
@@ -660,6 +767,7 @@ static void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx,
                           float *y, ptrdiff_t ldy) {
     const int sym = w->biases == NULL;
     switch (w->kind) {
+    case BASERT_BLOCKS: bm_stream_kind(BASERT_BLOCKS, 0, w, x, ldx, m, r0, r1, y, ldy); break;
     case BASERT_F32: bm_stream_kind(BASERT_F32, 0, w, x, ldx, m, r0, r1, y, ldy); break;
     case BASERT_F16: bm_stream_kind(BASERT_F16, 0, w, x, ldx, m, r0, r1, y, ldy); break;
     case BASERT_BF16: bm_stream_kind(BASERT_BF16, 0, w, x, ldx, m, r0, r1, y, ldy); break;

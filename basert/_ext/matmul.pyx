@@ -21,9 +21,11 @@ cdef extern from "matmul.h" nogil:
         BASERT_BF16
         BASERT_Q4
         BASERT_Q8
+        BASERT_BLOCKS
     ctypedef struct basert_weight:
         int kind
         int bf16_scales
+        int ggml_type
         Py_ssize_t n, k, group_size, row_bytes
         const uint8_t *data
         const uint16_t *scales
@@ -34,6 +36,8 @@ cdef extern from "matmul.h" nogil:
     enum: BASERT_STREAM_MAX_M
     void basert_stream(const basert_weight *w, const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t r0,
                        Py_ssize_t r1, float *y, Py_ssize_t ldy)
+    int basert_block_values(int ggml_type)
+    int basert_block_bytes(int ggml_type)
     Py_ssize_t basert_tile_stride(Py_ssize_t k)
     Py_ssize_t basert_tile_rows(Py_ssize_t k)
     Py_ssize_t basert_tile_count(Py_ssize_t n, Py_ssize_t k, Py_ssize_t nt)
@@ -44,6 +48,8 @@ cdef extern from "matmul.h" nogil:
 # kind -> (C enum, bits per stored value)
 _KINDS = {"f32": (BASERT_F32, 32), "f16": (BASERT_F16, 16), "bf16": (BASERT_BF16, 16),
           "base_q4": (BASERT_Q4, 4), "base_q8": (BASERT_Q8, 8)}
+# GGUF blocks kept as they are: kind (the GGUF type's name) -> its type code.
+BLOCK_KINDS = {"Q5_0": 6, "Q5_1": 7, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 cdef int _num_threads = max(1, basert_omp_max_threads())
 
@@ -76,13 +82,23 @@ cdef class Weight:
 
     def __init__(self, str kind, int n, int k, data, scales=None, biases=None, int group_size=0,
                  str scale_dtype="f16"):
-        if kind not in _KINDS:
-            raise ValueError(f"kind must be one of {tuple(_KINDS)}, got {kind!r}")
+        if kind not in _KINDS and kind not in BLOCK_KINDS:
+            raise ValueError(f"kind must be one of {tuple(_KINDS) + tuple(BLOCK_KINDS)}, got {kind!r}")
         if n < 0 or k < 1:
             raise ValueError(f"bad weight shape [{n}, {k}]")
-        code, bits = _KINDS[kind]
+        cdef int ggml_type = BLOCK_KINDS.get(kind, 0), values = 0
+        cdef Py_ssize_t row_bytes
+        code, bits = _KINDS.get(kind, (BASERT_BLOCKS, 0))
         quantized = code == BASERT_Q4 or code == BASERT_Q8
-        if quantized:
+        if ggml_type:
+            values = basert_block_values(ggml_type)
+            if scales is not None or biases is not None or group_size not in (0, values):
+                raise ValueError(f"{kind} blocks hold their own scales: no scales, biases or group_size")
+            if k % values:
+                raise ValueError(f"K={k} is not a whole number of {kind} blocks of {values}")
+            group_size = values
+            row_bytes = k // values * basert_block_bytes(ggml_type)
+        elif quantized:
             if scales is None:
                 raise ValueError(f"{kind} needs scales")
             if group_size <= 0 or group_size % 8:
@@ -93,8 +109,8 @@ cdef class Weight:
                 raise ValueError(f"scale_dtype must be 'f16' or 'bf16', got {scale_dtype!r}")
         elif scales is not None or biases is not None or group_size != 0:
             raise ValueError(f"dense kind {kind} takes no scales, biases or group_size")
-
-        cdef Py_ssize_t row_bytes = <Py_ssize_t>k * bits // 8
+        if not ggml_type:
+            row_bytes = <Py_ssize_t>k * bits // 8
         cdef Py_ssize_t groups = <Py_ssize_t>n * (k // group_size) if quantized else 0
         self._data_view = data
         if self._data_view.shape[0] != n * row_bytes:
@@ -113,6 +129,7 @@ cdef class Weight:
         self.kind, self.n, self.k, self.group_size, self.scale_dtype = kind, n, k, group_size, scale_dtype
         self.data, self.scales, self.biases = data, scales, biases
         self.c.kind = code
+        self.c.ggml_type = ggml_type
         self.c.bf16_scales = scale_dtype == "bf16"
         self.c.n, self.c.k, self.c.group_size, self.c.row_bytes = n, k, group_size, row_bytes
         self.c.data = &self._data_view[0] if self._data_view.shape[0] else NULL
@@ -132,7 +149,7 @@ cdef class Weight:
         rb = self.c.row_bytes
         data = self.data[start * rb:stop * rb]
         if self.scales is None:
-            return Weight(self.kind, stop - start, self.k, data)
+            return Weight(self.kind, stop - start, self.k, data, group_size=self.group_size if self.c.ggml_type else 0)
         g = self.k // self.group_size
         biases = None if self.biases is None else self.biases[start * g:stop * g]
         return Weight(self.kind, stop - start, self.k, data, self.scales[start * g:stop * g], biases,

@@ -37,7 +37,7 @@ def inspect_file(path: Path, *, verify: bool, as_json: bool) -> int:
         tensors = list(base.tensors.values())
         by_dtype: dict[str, list[int]] = {}
         for info in tensors:
-            entry = by_dtype.setdefault(info.dtype, [0, 0, 0])
+            entry = by_dtype.setdefault(info.storage, [0, 0, 0])
             entry[0] += 1
             entry[1] += math.prod(info.array_shape)
             entry[2] += info.length
@@ -54,7 +54,8 @@ def inspect_file(path: Path, *, verify: bool, as_json: bool) -> int:
                 "config": base.config,
                 "tensors": [
                     {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.length,
-                     "checksum_xxh64": t.checksum}
+                     "checksum_xxh64": t.checksum,
+                     **({"source_ggml_type": t.block_type.name} if t.block_type is not None else {})}
                     for t in tensors
                 ],
                 "totals": {"tensors": len(tensors), "parameters": n_params,
@@ -75,7 +76,7 @@ def inspect_file(path: Path, *, verify: bool, as_json: bool) -> int:
                 print(f"  {key}: {base.config[key]}")
         print()
         rows = [("name", "dtype", "shape", "bytes")] + [
-            (t.name, t.dtype + (f"/g{t.group_size}" if t.group_size else ""), "x".join(map(str, t.shape)),
+            (t.name, t.storage + (f"/g{t.group_size}" if t.is_quantized else ""), "x".join(map(str, t.shape)),
              f"{t.length:,}")
             for t in tensors
         ]

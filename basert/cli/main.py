@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target", choices=TARGETS, default="auto",
         help="storage type: 'auto' keeps the source's types (GGUF Q4_0/Q4_1/Q8_0 re-packed "
-        "losslessly, float tensors as they are); base-q4/base-q8 quantize weight matrices "
-        "(group 64/128, f16 scales); bf16/f16/f32 store dense floats (default: auto)",
+        "losslessly, GGUF K-quant and Q5_0/Q5_1 blocks kept byte for byte, float tensors as they are); "
+        "base-q4/base-q8 (re-)quantize weight matrices (group 64/128, f16 scales); bf16/f16/f32 store "
+        "dense floats (default: auto)",
     )
     p.add_argument("--profile", metavar="FILE",
                    help="JSON quant profile: {target, group_size, scale_dtype, symmetric, "

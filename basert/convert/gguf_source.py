@@ -19,6 +19,7 @@ from basert.convert.source import (
     is_control_tensor,
 )
 from basert.convert.tokenizer_source import tokenizer_object_from_gguf
+from basert.format.ggml_blocks import BLOCK_TYPES
 from basert.format.quant import QuantizedTensor, from_parts
 
 Q = gguf.GGMLQuantizationType
@@ -226,10 +227,13 @@ def _source_tensor(tensor: gguf.ReaderTensor, name: str, warnings: list[str]) ->
 
     native = None
     native_dense = None
+    block_type = None
     if qtype in LOSSLESS_QUANT:
         native = lambda: native_quantized(tensor)  # noqa: E731
     elif qtype in LOSSLESS_DENSE and not is_a_log:
         native_dense = LOSSLESS_DENSE[qtype]
+    elif int(qtype) in BLOCK_TYPES and not is_a_log:
+        block_type = BLOCK_TYPES[int(qtype)]
     elif not is_a_log:
         warnings.append(f"{tensor.name}: GGUF type {qtype.name} is de-quantized and re-quantized")
     flags = FLAG_EXPERT_WEIGHT if name.endswith("_exps.weight") else 0
@@ -243,6 +247,8 @@ def _source_tensor(tensor: gguf.ReaderTensor, name: str, warnings: list[str]) ->
         load_f32=load,
         native=native,
         native_dense=native_dense,
+        block_type=block_type,
+        load_blocks=(lambda: np.asarray(tensor.data).reshape(-1)) if block_type is not None else None,
         flags=flags,
         keep_f32=is_control_tensor(name) or len(array_shape) == 1,
     )

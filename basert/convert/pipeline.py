@@ -82,7 +82,7 @@ def convert(
         if warning:
             warnings.append(warning)
         encodings.append(encoding)
-    if any(e.quantized or e.native for e in encodings):
+    if any(e.quantized or e.native or e.blocks for e in encodings):
         header_flags |= HEADER_QUANTIZED
 
     total = len(model.tensors)
@@ -104,6 +104,10 @@ def convert(
                 packed = tensor.native()
                 writer.add_quantized(tensor.name, packed, shape=tensor.header_shape, flags=tensor.flags)
                 stored = packed.dtype
+            elif encoding.blocks:
+                writer.add_blocks(tensor.name, tensor.load_blocks(), tensor.block_type, tensor.array_shape,
+                                  shape=tensor.header_shape, flags=tensor.flags)
+                stored = tensor.block_type.name
             elif encoding.quantized:
                 packed = quantize(
                     tensor.load_f32(),

@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from basert.format.architectures import Architecture
+from basert.format.ggml_blocks import BlockType
 from basert.format.quant import QuantizedTensor
 
 # Tensor flags of the .base format.
@@ -38,6 +39,8 @@ class SourceTensor:
     load_f32: Callable[[], np.ndarray]    # the exact float32 values
     native: Callable[[], QuantizedTensor] | None = None  # lossless quantized form, if any
     native_dense: str | None = None       # lossless dense dtype ("f32", "f16", "bf16"), if any
+    block_type: BlockType | None = None   # GGUF blocks that can be kept as they are, if any
+    load_blocks: Callable[[], np.ndarray] | None = None  # their bytes, every row unchanged
     flags: int = 0
     keep_f32: bool = False                # small control tensors that must stay float32
 

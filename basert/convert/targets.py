@@ -24,6 +24,7 @@ class Encoding:
     scale_dtype: str = "f16"
     symmetric: bool = False
     native: bool = False  # the source's own bytes, re-packed losslessly
+    blocks: bool = False  # the source's GGUF blocks, kept as they are
 
     @property
     def quantized(self) -> bool:
@@ -99,6 +100,8 @@ def choose_encoding(tensor: SourceTensor, policy: TargetPolicy) -> tuple[Encodin
             return Encoding("native", native=True), None
         if tensor.native_dense is not None:
             return Encoding(tensor.native_dense), None
+        if tensor.block_type is not None:
+            return Encoding(tensor.block_type.dtype, blocks=True), None
         return _quantized(tensor, "base_q8", rule)
     if rule.target in ("f32", "f16", "bf16"):
         return Encoding(rule.target), None

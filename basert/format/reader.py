@@ -33,6 +33,7 @@ from basert.format.errors import (
     UnsupportedDtypeError,
     UnsupportedVersionError,
 )
+from basert.format.ggml_blocks import BLOCK_LAYOUT, BLOCK_TYPES, BlockType, dequantize_blocks
 from basert.format.quant import (
     ALLOWED_GROUP_SIZES,
     DENSE_DTYPES,
@@ -68,6 +69,7 @@ class TensorInfo:
     flags: int
     compute_region: str
     checksum: int | None
+    block_type: BlockType | None = None  # GGUF blocks kept as they are (layout "gguf_super")
 
     @property
     def n_elements(self) -> int:
@@ -76,8 +78,18 @@ class TensorInfo:
 
     @property
     def is_quantized(self) -> bool:
-        """True for the group-quantized `base_q*` dtypes."""
-        return self.dtype in QUANT_BITS
+        """True for the group-quantized `base_q*` dtypes in their own layout (packed values, scales, biases)."""
+        return self.dtype in QUANT_BITS and self.block_type is None
+
+    @property
+    def storage(self) -> str:
+        """How the values are stored: the dtype, or the GGUF block type of blocks kept as they are ("Q4_K")."""
+        return self.block_type.name if self.block_type is not None else self.dtype
+
+    @property
+    def is_blocks(self) -> bool:
+        """True for GGUF quantized blocks kept as they are."""
+        return self.block_type is not None
 
     @property
     def symmetric(self) -> bool:
@@ -194,6 +206,8 @@ class BaseFile:
     def dequantize(self, name: str) -> np.ndarray:
         """A new float32 array of the tensor's values (numpy reference path)."""
         info = self._info(name)
+        if info.block_type is not None:
+            return dequantize_blocks(self.payload(name), info.block_type, info.array_shape)
         if info.is_quantized:
             return quant.dequantize(self.quantized(name))
         values = self.array(name)
@@ -315,15 +329,17 @@ class BaseFile:
         dtype = entry["dtype"]
         if dtype not in DENSE_DTYPES and dtype not in KNOWN_QUANT_DTYPES:
             raise UnknownDtypeError(f"{self.path}: tensor {name!r} has unknown dtype {dtype!r}")
-        if dtype not in DENSE_DTYPES and dtype not in QUANT_BITS:
+        block_type = self._block_type(entry)
+        if block_type is None and dtype not in DENSE_DTYPES and dtype not in QUANT_BITS:
             raise UnsupportedDtypeError(
                 f"{self.path}: tensor {name!r} has dtype {dtype!r}, which this reader does not support "
-                f"(supported: {', '.join(DENSE_DTYPES + tuple(QUANT_BITS))})"
+                f"(supported: {', '.join(DENSE_DTYPES + tuple(QUANT_BITS))}, and GGUF blocks with layout "
+                f"{BLOCK_LAYOUT!r})"
             )
         shape = entry["shape"]
         if not isinstance(shape, list) or not all(_is_count(dim) for dim in shape):
             raise InvalidHeaderError(f"{self.path}: tensor {name!r} shape {shape!r} is not a list of counts")
-        quantized = dtype in QUANT_BITS
+        quantized = block_type is None and dtype in QUANT_BITS
         scale_dtype = entry.get("scale_dtype", "f16") if quantized else None
         if quantized and scale_dtype not in SCALE_DTYPES:
             raise InvalidHeaderError(f"{self.path}: tensor {name!r} has scale_dtype {scale_dtype!r}")
@@ -349,7 +365,7 @@ class BaseFile:
             array_shape=tuple(reversed(shape)) if gguf_order else tuple(shape),
             offset=self.blob_offset + entry["offset"],
             length=entry["length"],
-            group_size=entry["group_size"] if quantized else None,
+            group_size=entry["group_size"] if quantized else block_type.block_size if block_type else None,
             scale_dtype=scale_dtype,
             scale_offset=entry["scale_offset"] if quantized else None,
             scale_length=entry["scale_length"] if quantized else None,
@@ -362,13 +378,53 @@ class BaseFile:
                 if entry.get("checksum_xxh64") is None
                 else self._parse_hex(entry["checksum_xxh64"], f"tensor {name!r} checksum_xxh64")
             ),
+            block_type=block_type,
         )
+
+    def _block_type(self, entry: dict[str, Any]) -> BlockType | None:
+        """The GGUF block type of a tensor kept in GGUF's blocks (layout "gguf_super"); None for row-major."""
+        name, layout = entry["name"], entry.get("layout")
+        if layout is None:
+            return None
+        if layout != BLOCK_LAYOUT:
+            raise UnsupportedDtypeError(
+                f"{self.path}: tensor {name!r} has layout {layout!r}, which this reader does not support "
+                f"(supported: row-major, {BLOCK_LAYOUT!r})"
+            )
+        code = entry.get("source_ggml_type")
+        block_type = BLOCK_TYPES.get(code) if _is_count(code) else None
+        if block_type is None:
+            known = ", ".join(f"{bt.name} {bt.ggml_type}" for bt in BLOCK_TYPES.values())
+            raise UnsupportedDtypeError(
+                f"{self.path}: tensor {name!r} has source_ggml_type {code!r}, which this reader does not support "
+                f"(supported: {known})"
+            )
+        group_size = entry.get("group_size", block_type.block_size)
+        if entry["dtype"] != block_type.dtype or group_size != block_type.block_size:
+            raise InvalidHeaderError(
+                f"{self.path}: tensor {name!r} holds {block_type.name} blocks, which are dtype {block_type.dtype!r} "
+                f"with group_size {block_type.block_size}, not {entry['dtype']!r} with {group_size!r}"
+            )
+        return block_type
 
     def _check_regions(self, info: TensorInfo) -> None:
         """The payload must hold exactly what the shape, dtype and group size need: dense values, or packed
         values, then scales, then biases, each region right after the previous one (padded to at most
         REGION_PART_ALIGN bytes)."""
         where = f"{self.path}: tensor {info.name!r}"
+        if info.block_type is not None:
+            bt = info.block_type
+            if not info.array_shape or info.array_shape[-1] % bt.block_size:
+                raise InvalidHeaderError(
+                    f"{where} rows of shape {list(info.array_shape)} do not split into {bt.name} blocks "
+                    f"of {bt.block_size}"
+                )
+            needed = info.n_elements // info.array_shape[-1] * bt.row_bytes(info.array_shape[-1])
+            if info.length != needed:
+                raise TensorOutOfBoundsError(
+                    f"{where} length {info.length} does not match the {needed} bytes of {bt.name} {list(info.shape)}"
+                )
+            return
         if not info.is_quantized:
             needed = info.n_elements * _DENSE_NUMPY[info.dtype].itemsize
             if info.length != needed:

@@ -4,6 +4,7 @@ replaces the destination atomically on close, so a failed conversion never leave
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -18,6 +19,7 @@ import xxhash
 
 from basert import __version__
 from basert.format.atomic import atomic_file
+from basert.format.ggml_blocks import BLOCK_LAYOUT, BlockType
 from basert.format.quant import ALLOWED_GROUP_SIZES, DENSE_DTYPES, SCALE_DTYPES, QuantizedTensor, f32_to_bf16_bits
 
 MAGIC = b"BASE"
@@ -168,6 +170,45 @@ class BaseWriter:
             "group_size": q.group_size,
             "scale_dtype": q.scale_dtype,
             **regions,
+        }
+        self._finish(entry, hasher, flags, compute_region)
+
+    def add_blocks(
+        self,
+        name: str,
+        raw: np.ndarray,
+        block_type: BlockType,
+        array_shape: tuple[int, ...],
+        *,
+        shape: list[int] | None = None,
+        flags: int = 0,
+        compute_region: str = "cpu",
+    ) -> None:
+        """Store GGUF quantized blocks as they are (`layout: "gguf_super"`): `raw` holds every row's bytes."""
+        if not array_shape or array_shape[-1] % block_type.block_size:
+            raise ValueError(
+                f"tensor {name!r}: rows of shape {list(array_shape)} do not split into {block_type.name} blocks "
+                f"of {block_type.block_size}"
+            )
+        stored = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+        expected = math.prod(array_shape[:-1]) * block_type.row_bytes(array_shape[-1])
+        if stored.nbytes != expected:
+            raise ValueError(
+                f"tensor {name!r}: {stored.nbytes} bytes of {block_type.name} blocks, expected {expected} "
+                f"for shape {list(array_shape)}"
+            )
+        header_shape, offset = self._begin(name, array_shape, shape, compute_region)
+        hasher = xxhash.xxh64()
+        self._write(stored, hasher)
+        entry = {
+            "name": name,
+            "dtype": block_type.dtype,
+            "shape": header_shape,
+            "offset": offset,
+            "length": stored.nbytes,
+            "group_size": block_type.block_size,
+            "layout": BLOCK_LAYOUT,
+            "source_ggml_type": block_type.ggml_type,
         }
         self._finish(entry, hasher, flags, compute_region)
 

@@ -83,6 +83,8 @@ class Weights:
         return info
 
     def _kernel_weight(self, info: TensorInfo, n: int, k: int) -> mm.Weight:
+        if info.is_blocks:
+            return mm.Weight(info.block_type.name, n, k, self.base.payload(info.name))
         if info.is_quantized:
             return mm.Weight(info.dtype, n, k, self.base.packed(info.name), self.base.scales(info.name),
                              self.base.biases(info.name), info.group_size, info.scale_dtype or "f16")
