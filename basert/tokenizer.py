@@ -6,14 +6,16 @@ import json
 import re
 import warnings
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from basert.errors import InvalidRequestError
 
 # llama.cpp token types (`tokenizer.ggml.token_type`).
+TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+SPM_SPACE = "\u2581"
 
 # Pre-tokenizer regexes exactly as llama.cpp's `llama-vocab.cpp` lists them per `tokenizer.ggml.pre`;
 # several regexes are applied one after another, each splitting the pieces of the one before.
@@ -215,10 +217,12 @@ def _piece_bytes(piece: str, byte_level: bool) -> bytes:
 
 def _from_gguf(obj: dict) -> Tokenizer:
     model = obj.get("tokenizer.ggml.model")
+    if model == "llama":
+        return _from_gguf_spm(obj)
     if model != "gpt2":
         raise TokenizerError(
-            f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
-            "convert from the Hugging Face model directory instead"
+            f"GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' and SentencePiece 'llama' "
+            "are); convert from the Hugging Face model directory instead"
         )
     tokens: list[str] = obj["tokenizer.ggml.tokens"]
     token_types: list[int] = obj.get("tokenizer.ggml.token_type") or []
@@ -240,12 +244,7 @@ def _from_gguf(obj: dict) -> Tokenizer:
     )
     hf.pre_tokenizer = _pre_tokenizer(pre)
     hf.decoder = decoders.ByteLevel()
-    added = []
-    for token, token_type in zip(tokens, token_types):
-        if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
-            special = token_type == TOKEN_TYPE_CONTROL
-            added.append(AddedToken(token, special=special, normalized=False))
-    hf.add_tokens(added)
+    hf.add_tokens(_added_tokens(tokens, token_types))
     add_bos = obj.get("tokenizer.ggml.add_bos_token", pre in IGNORE_MERGES_PRE_NAMES)
     return Tokenizer(
         hf,
@@ -255,6 +254,68 @@ def _from_gguf(obj: dict) -> Tokenizer:
         add_bos=bool(add_bos),
         chat_template=obj.get("tokenizer.chat_template"),
         byte_level=True,
+    )
+
+
+def _added_tokens(tokens: list[str], token_types: list[int]) -> list[AddedToken]:
+    """Control tokens (special) and user-defined ones, matched whole before the model runs, as in llama.cpp."""
+    return [
+        AddedToken(token, special=token_type == TOKEN_TYPE_CONTROL, normalized=False)
+        for token, token_type in zip(tokens, token_types)
+        if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+    ]
+
+
+def _from_gguf_spm(obj: dict) -> Tokenizer:
+    """A SentencePiece vocabulary (`tokenizer.ggml.model` "llama": pieces, scores, token types) as a `tokenizers`
+    BPE model: llama.cpp's SPM tokenizer merges, again and again, the adjacent pair whose joined piece is in the
+    vocabulary with the highest score. BPE merges by rank, so every split of a normal piece into two pieces of the
+    vocabulary is a merge, ranked by the score of the piece it makes (ties in vocabulary order, as transformers'
+    SentencePiece converter ranks them). Characters the vocabulary lacks fall back to their `<0xXX>` byte pieces;
+    spaces are `▁`, with one in front of the text when `add_space_prefix` (default true)."""
+    tokens: list[str] = obj["tokenizer.ggml.tokens"]
+    scores: list[float] = obj.get("tokenizer.ggml.scores") or []
+    token_types: list[int] = obj.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens)
+    if len(scores) != len(tokens) or len(token_types) != len(tokens):
+        raise TokenizerError(
+            f"SentencePiece vocabulary has {len(tokens)} pieces but {len(scores)} scores and {len(token_types)} "
+            "token types"
+        )
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    ranked: list[tuple[float, str, str]] = []
+    for token_id, piece in enumerate(tokens):
+        if token_types[token_id] != TOKEN_TYPE_NORMAL:
+            continue
+        splits = [(vocab[piece[:cut]], vocab[piece[cut:]], piece[:cut], piece[cut:]) for cut in range(1, len(piece))
+                  if piece[:cut] in vocab and piece[cut:] in vocab]
+        ranked.extend((-scores[token_id], left, right) for _, _, left, right in sorted(splits))
+    ranked.sort(key=lambda merge: merge[0])  # stable: equal scores keep vocabulary order
+    unknown_id = obj.get("tokenizer.ggml.unknown_token_id")
+    hf = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(left, right) for _, left, right in ranked],
+            unk_token=tokens[unknown_id] if isinstance(unknown_id, int) and 0 <= unknown_id < len(tokens) else None,
+            byte_fallback=True,
+            fuse_unk=True,
+        )
+    )
+    space_prefix = bool(obj.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend(SPM_SPACE)] if space_prefix else []
+    hf.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPM_SPACE)])
+    hf.decoder = decoders.Sequence([
+        decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+        *([decoders.Strip(" ", 1, 0)] if space_prefix else []),
+    ])
+    hf.add_tokens(_added_tokens(tokens, token_types))
+    return Tokenizer(
+        hf,
+        bos_id=obj.get("tokenizer.ggml.bos_token_id"),
+        eos_id=obj.get("tokenizer.ggml.eos_token_id"),
+        turn_end_ids=tuple(obj[key] for key in GGUF_TURN_END_KEYS if key in obj),
+        add_bos=bool(obj.get("tokenizer.ggml.add_bos_token", True)),
+        chat_template=obj.get("tokenizer.chat_template"),
+        byte_level=False,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 from collections import Counter
 from pathlib import Path
 
@@ -23,11 +24,11 @@ QWEN35_GGUF_XZ = VOCAB_DIR / "ggml-vocab-qwen35.gguf.xz"
 SMOLLM2_REFERENCE = FIXTURES / "smollm2" / "reference.json"
 
 
-def vocab_cases() -> list[tuple[str, list[int]]]:
+def vocab_cases(vocab: str = "qwen35") -> list[tuple[str, list[int]]]:
     """The llama.cpp test-tokenizer-0 vectors: texts end with a separator line, one id line per text."""
     # Bytes, not read_text(): universal newlines would turn a "\r" in a text into "\n".
-    inp = (VOCAB_DIR / "ggml-vocab-qwen35.gguf.inp").read_bytes().decode("utf-8")
-    out = (VOCAB_DIR / "ggml-vocab-qwen35.gguf.out").read_bytes().decode("utf-8")
+    inp = (VOCAB_DIR / f"ggml-vocab-{vocab}.gguf.inp").read_bytes().decode("utf-8")
+    out = (VOCAB_DIR / f"ggml-vocab-{vocab}.gguf.out").read_bytes().decode("utf-8")
     texts = inp.split("\n__ggml_vocab_test__\n")
     assert texts[-1] == ""
     lines = out.split("\n")
@@ -37,6 +38,7 @@ def vocab_cases() -> list[tuple[str, list[int]]]:
 
 
 VOCAB_CASES = vocab_cases()
+SPM_CASES = vocab_cases("llama-spm")
 SMOLLM2_PROMPTS = {
     prompt["name"]: prompt for prompt in json.loads(SMOLLM2_REFERENCE.read_text(encoding="utf-8"))["prompts"]
 }
@@ -299,9 +301,9 @@ def test_unknown_pre_falls_back_to_gpt2_with_a_warning() -> None:
     assert pre_pieces(tok, "I'M 12345!") == ["I", "'", "M", " 12345", "!"]
 
 
-def test_sentencepiece_gguf_is_refused() -> None:
-    with pytest.raises(TokenizerError, match="GGUF tokenizer model 'llama' is not supported"):
-        Tokenizer.from_object({**byte_vocab_object("default"), "tokenizer.ggml.model": "llama"})
+def test_other_gguf_tokenizer_models_are_refused() -> None:
+    with pytest.raises(TokenizerError, match="GGUF tokenizer model 'rwkv' is not supported"):
+        Tokenizer.from_object({**byte_vocab_object("default"), "tokenizer.ggml.model": "rwkv"})
 
 
 def test_unknown_tokenizer_type_is_refused() -> None:
@@ -439,3 +441,46 @@ def test_hf_sentencepiece_style_token_bytes(tmp_path: Path) -> None:
     assert [tok.token_bytes(i) for i in ids] == [b" hello", b" ", b"\xe6", b"\xa1", b"\x9c"]
     # decode drops the space Metaspace put before the first word; the bytes keep it for streaming.
     assert tok.decode(ids) == "hello 桜"
+
+
+@pytest.fixture(scope="session")
+def llama_spm_object(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tokenizer object of llama.cpp's SentencePiece (Llama 1/2) vocab-only GGUF."""
+    path = tmp_path_factory.mktemp("vocab") / "ggml-vocab-llama-spm.gguf"
+    path.write_bytes(lzma.decompress((VOCAB_DIR / "ggml-vocab-llama-spm.gguf.xz").read_bytes()))
+    return tokenizer_object_from_path(path)
+
+
+@pytest.fixture(scope="session")
+def llama_spm(llama_spm_object: dict) -> Tokenizer:
+    return Tokenizer.from_object(llama_spm_object)
+
+
+@pytest.mark.parametrize(("text", "expected"), SPM_CASES, ids=[f"case{i:02d}" for i in range(len(SPM_CASES))])
+def test_sentencepiece_gguf_matches_llama_cpp_vectors(llama_spm: Tokenizer, text: str, expected: list[int]) -> None:
+    assert llama_spm.encode(text) == expected
+    # The leading space the vocabulary adds is taken off again; bytes of split characters join up.
+    assert llama_spm.decode(expected) == text
+
+
+def test_sentencepiece_pieces_bytes_and_specials(llama_spm_object: dict, llama_spm: Tokenizer) -> None:
+    assert len(SPM_CASES) == 46
+    assert llama_spm_object["tokenizer.ggml.model"] == "llama"
+    assert (llama_spm.vocab_size, llama_spm.bos_id, llama_spm.eos_id) == (32000, 1, 2)
+    assert llama_spm.encode("Hello world", add_special=True) == [1, 15043, 3186]
+    assert llama_spm.encode("<s>Hello") == [1, 15043]  # control tokens are matched whole
+    assert llama_spm.encode("<s>Hello", parse_special=False)[:2] != [1, 15043]
+    assert llama_spm.id_to_piece(15043) == "\u2581Hello"
+    assert llama_spm.token_bytes(15043) == b" Hello"
+    assert llama_spm.token_bytes(3 + 0xF0) == b"\xf0"  # <0xF0>, a byte-fallback piece
+    assert llama_spm.eos_ids == frozenset({2})
+    # The 🦙 of "this is 🦙.cpp" has no piece: its four UTF-8 bytes come out as byte pieces.
+    assert llama_spm.encode("🦙") == [29871, 243, 162, 169, 156]
+
+
+def test_sentencepiece_without_space_prefix(llama_spm_object: dict) -> None:
+    plain = Tokenizer.from_object({**llama_spm_object, "tokenizer.ggml.add_space_prefix": False})
+    assert plain.encode("Hello world") == [10994, 3186]
+    assert plain.decode([10994, 3186]) == "Hello world"
+    with pytest.raises(TokenizerError, match="32000 pieces but 3 scores"):
+        Tokenizer.from_object({**llama_spm_object, "tokenizer.ggml.scores": [0.0, 0.0, 0.0]})
