@@ -115,9 +115,9 @@ class Tokenizer:
         self.chat_template = chat_template
         added = hf.get_added_tokens_decoder()
         self.special_ids: frozenset[int] = frozenset(i for i, token in added.items() if token.special)
-        # The same tokenizer reading special-token text as plain text (non-special added tokens still match).
-        self._plain = HFTokenizer.from_str(hf.to_str())
-        self._plain.encode_special_tokens = True
+        # The same tokenizer reading special-token text as plain text (non-special added tokens still match), made
+        # on first use: copying a vocabulary of 262,144 pieces and their merges takes seconds.
+        self._plain: HFTokenizer | None = None
         # Longest first, so that of two special texts starting at one place the longer wins, as in `tokenizers`;
         # with no special tokens the pattern matches nothing.
         texts = sorted((added[i].content for i in self.special_ids), key=len, reverse=True)
@@ -154,11 +154,18 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; special-token text in it counts as one token each unless `parse_special` is false."""
-        hf = self._hf if parse_special else self._plain
+        hf = self._hf if parse_special else self._plain_tokenizer()
         ids = hf.encode(text, add_special_tokens=False).ids
         if add_special and self._add_bos:
             ids.insert(0, self.bos_id)
         return ids
+
+    def _plain_tokenizer(self) -> HFTokenizer:
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self._hf.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         """The text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
@@ -282,13 +289,20 @@ def _from_gguf_spm(obj: dict) -> Tokenizer:
             "token types"
         )
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    lookup = vocab.get
     ranked: list[tuple[float, str, str]] = []
     for token_id, piece in enumerate(tokens):
-        if token_types[token_id] != TOKEN_TYPE_NORMAL:
+        if token_types[token_id] != TOKEN_TYPE_NORMAL or len(piece) < 2:
             continue
-        splits = [(vocab[piece[:cut]], vocab[piece[cut:]], piece[:cut], piece[cut:]) for cut in range(1, len(piece))
-                  if piece[:cut] in vocab and piece[cut:] in vocab]
-        ranked.extend((-scores[token_id], left, right) for _, _, left, right in sorted(splits))
+        splits = []
+        for cut in range(1, len(piece)):
+            left = lookup(piece[:cut])
+            if left is not None:
+                right = lookup(piece[cut:])
+                if right is not None:
+                    splits.append((left, right, cut))
+        score = -scores[token_id]
+        ranked.extend((score, piece[:cut], piece[cut:]) for _, _, cut in sorted(splits))
     ranked.sort(key=lambda merge: merge[0])  # stable: equal scores keep vocabulary order
     unknown_id = obj.get("tokenizer.ggml.unknown_token_id")
     hf = HFTokenizer(
