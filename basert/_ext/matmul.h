@@ -587,6 +587,48 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
 #define BM_STREAM_ROWS 1
 #endif
 
+#if defined(BASERT_AVX512)
+/* Q4_K rows streamed on avx512 with the q4 lookup: a sub-block of 32 has 16 possible values, (d * scale) * q -
+ * dmin * min for q = 0..15 (the same products and differences as basert_dequant_block), computed once into a
+ * register; each weight is looked up by its code (vpermps reads the low 4 bits of a zero-extended byte, so the
+ * high nibble needs one shift). */
+BASERT_ALWAYS_INLINE void bm_stream_q4_k(const int R, const int C, const uint8_t *const *p, ptrdiff_t k, const float *x,
+                                         ptrdiff_t ldx, bm_v acc[4][8]) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (ptrdiff_t b = 0; b < k / 256; b++) {
+        float ds[4][8], dm[4][8];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *block = p[r] + b * 144;
+            __builtin_prefetch(block + 8 * 144);
+            __builtin_prefetch(block + 8 * 144 + 64);
+            __builtin_prefetch(block + 8 * 144 + 128);
+            const float d = basert_block_f16(block), dmin = basert_block_f16(block + 2);
+            for (int s = 0; s < 8; s++) {
+                int scale, min;
+                basert_k_scale_min(block + 4, s, &scale, &min);
+                ds[r][s] = d * (float)scale;
+                dm[r][s] = dmin * (float)min;
+            }
+        }
+        for (int s = 0; s < 8; s++) {
+            __m512 table[4];
+            for (int r = 0; r < R; r++)
+                table[r] = _mm512_sub_ps(_mm512_mul_ps(iota, _mm512_set1_ps(ds[r][s])), _mm512_set1_ps(dm[r][s]));
+            for (int h = 0; h < 2; h++) {
+                const ptrdiff_t e = b * 256 + 32 * s + 16 * h;
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *codes = p[r] + b * 144 + 16 + 32 * (s >> 1) + 16 * h;
+                    __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)codes));
+                    if (s & 1) index = _mm512_srli_epi32(index, 4);
+                    const __m512 wv = _mm512_permutexvar_ps(index, table[r]);
+                    for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(x + c * ldx + e), wv, acc[r][c]);
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..8; R * C <= 8, 16 on avx512)
  * activation rows x + c * ldx: each de-quantized weight vector feeds C accumulators.
  * The R * C accumulators are independent, which hides the FMA latency. GS: the group size as a
@@ -607,6 +649,11 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
         sp[r] = gs ? w->scales + (row + r) * groups : NULL;
         bp[r] = gs && !sym ? w->biases + (row + r) * groups : NULL;
     }
+#if defined(BASERT_AVX512)
+    if (kind == BASERT_BLOCKS && w->ggml_type == BASERT_GGML_Q4_K) {
+        bm_stream_q4_k(R, C, p, k, x, ldx, acc);
+    } else
+#endif
     if (kind == BASERT_BLOCKS) {
         /* GGUF blocks: a block of each of the R rows de-quantized into a buffer (the exact values of
          * basert_dequant_row), then summed as dense weights. */
