@@ -629,6 +629,42 @@ BASERT_ALWAYS_INLINE void bm_stream_q4_k(const int R, const int C, const uint8_t
 }
 #endif
 
+#if defined(BASERT_AVX512)
+/* Q5_0 / Q5_1 rows streamed on avx512 with a 32-entry lookup: a block's 32 possible values, d * (q - 16) or
+ * d * q + m for q = 0..31 (the products and sums of basert_dequant_block), in two registers; vpermt2ps looks
+ * each weight up by its 5-bit code, whose fifth bit comes from qh through a mask register. */
+BASERT_ALWAYS_INLINE void bm_stream_q5(const int R, const int C, const int with_min, const uint8_t *const *p, ptrdiff_t k,
+                                       const float *x, ptrdiff_t ldx, bm_v acc[4][8]) {
+    const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 high = _mm512_add_ps(low, _mm512_set1_ps(16.0f));
+    const __m512 code_lo = with_min ? low : _mm512_sub_ps(low, _mm512_set1_ps(16.0f)), code_hi = with_min ? high : low;
+    const ptrdiff_t bytes = with_min ? 24 : 22;
+    for (ptrdiff_t b = 0; b < k / 32; b++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *block = p[r] + b * bytes;
+            __builtin_prefetch(block + 16 * bytes);
+            const __m512 d = _mm512_set1_ps(basert_block_f16(block));
+            __m512 t_lo = _mm512_mul_ps(d, code_lo), t_hi = _mm512_mul_ps(d, code_hi);
+            if (with_min) {
+                const __m512 m = _mm512_set1_ps(basert_block_f16(block + 2));
+                t_lo = _mm512_add_ps(t_lo, m);
+                t_hi = _mm512_add_ps(t_hi, m);
+            }
+            const uint8_t *qh = block + (with_min ? 4 : 2);
+            const uint32_t fifth = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) | ((uint32_t)qh[3] << 24);
+            const __m512i nibbles = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(qh + 4)));
+            for (int h = 0; h < 2; h++) {
+                const __m512i q = h ? _mm512_srli_epi32(nibbles, 4) : _mm512_and_si512(nibbles, _mm512_set1_epi32(15));
+                const __m512i index = _mm512_mask_or_epi32(q, (__mmask16)(fifth >> (16 * h)), q, _mm512_set1_epi32(16));
+                const __m512 wv = _mm512_permutex2var_ps(t_lo, index, t_hi);
+                const ptrdiff_t e = b * 32 + 16 * h;
+                for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(x + c * ldx + e), wv, acc[r][c]);
+            }
+        }
+    }
+}
+#endif
+
 /* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..8; R * C <= 8, 16 on avx512)
  * activation rows x + c * ldx: each de-quantized weight vector feeds C accumulators.
  * The R * C accumulators are independent, which hides the FMA latency. GS: the group size as a
@@ -652,6 +688,8 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
 #if defined(BASERT_AVX512)
     if (kind == BASERT_BLOCKS && w->ggml_type == BASERT_GGML_Q4_K) {
         bm_stream_q4_k(R, C, p, k, x, ldx, acc);
+    } else if (kind == BASERT_BLOCKS && (w->ggml_type == BASERT_GGML_Q5_0 || w->ggml_type == BASERT_GGML_Q5_1)) {
+        bm_stream_q5(R, C, w->ggml_type == BASERT_GGML_Q5_1, p, k, x, ldx, acc);
     } else
 #endif
     if (kind == BASERT_BLOCKS) {
