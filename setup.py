@@ -6,6 +6,8 @@ basert/_ext/<variant>/<module>.so for every basert/_ext/<module>.pyx, where <var
   avx512    the avx2 flags and -mavx512f -mavx512bw -mavx512vl.
 avx2 and avx512 are built whenever the compiler accepts their flags, whatever CPU builds them;
 basert/_ext/__init__.py picks the best one this CPU runs at import (BASERT_CPU overrides it).
+BASERT_BUILD_VARIANTS=portable,avx2 (a comma-separated list) builds only those, for a quicker build on a
+machine that will not run the others; portable is always built.
 """
 
 from __future__ import annotations
@@ -103,7 +105,11 @@ def extensions() -> list[Extension]:
     # setuptools rebuilds an extension when one of its depends is newer than it: the .pyx's headers count.
     depends = {str(ext.sources[0]): sorted(str(h) for h in headers(Path(ext.sources[0]).with_suffix(".pyx")))
                for ext in generated}
+    wanted = os.environ.get("BASERT_BUILD_VARIANTS")
     for variant, (flags, macros) in VARIANTS.items():
+        if wanted and variant != "portable" and variant not in wanted.split(","):
+            print(f"basert build: {variant}: not in BASERT_BUILD_VARIANTS, not built", file=sys.stderr)
+            continue
         if flags and not compiler_accepts(flags):
             print(f"basert build: {variant}: the compiler rejects {' '.join(flags)}, not built", file=sys.stderr)
             continue

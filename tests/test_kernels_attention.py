@@ -19,17 +19,20 @@ def f32(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, scale: float) -> np.ndarray:
-    """q [T, H, d]; k, v [n_pos, H_kv, d] for every position; token t sees positions 0 .. start_pos + t."""
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int, scale: float,
+                        window: int = 0) -> np.ndarray:
+    """q [T, H, d]; k, v [n_pos, H_kv, d] for every position; token t sees positions 0 .. start_pos + t (the
+    last `window` of them when window > 0)."""
     T, H, d = q.shape
     group = H // k.shape[1]
     out = np.empty((T, H, d))
     for t in range(T):
         n = start_pos + t + 1
+        first = max(0, n - window) if window else 0
         for h in range(H):
-            scores = k[:n, h // group].astype(np.float64) @ q[t, h].astype(np.float64) * scale
+            scores = k[first:n, h // group].astype(np.float64) @ q[t, h].astype(np.float64) * scale
             p = np.exp(scores - scores.max())
-            out[t, h] = (p / p.sum()) @ v[:n, h // group].astype(np.float64)
+            out[t, h] = (p / p.sum()) @ v[first:n, h // group].astype(np.float64)
     return out
 
 
@@ -368,3 +371,96 @@ def test_segment_partials_merged_in_order_give_the_output(n: int, dtype: type) -
     # Row 1 ends at position 3: segments after the first leave its partials untouched.
     assert all(np.isnan(p[0][1]) for p in parts[1:])
     assert np.isfinite(parts[0][2][1]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("window", [1, 5, 16, 100, SEG, SEG + 9, 512])
+def test_sliding_window_matches_reference(window: int, dtype: type) -> None:
+    """Three sequences in one call (a prefill chunk crossing several segments, a deep decode, a short one):
+    each token sees only the last `window` positions, itself included."""
+    rng = np.random.default_rng(window)
+    H, n_kv, d = 4, 1, 32
+    shapes = [(300, 500), (1400, 1), (3, 1)]   # (cached, new)
+    per_seq = -(-max(c + n for c, n in shapes) // BLOCK)
+    n_blocks = len(shapes) * per_seq
+    tables = rng.permutation(n_blocks).astype(np.int32).reshape(len(shapes), per_seq)
+    k_cache, v_cache = new_cache(n_blocks, n_kv, d, dtype)
+    seqs = []
+    for i, (cached, n_new) in enumerate(shapes):
+        k, v = (f32(rng.standard_normal((cached + n_new, n_kv, d)) * s) for s in (2, 1))
+        attn.kv_write(k_cache, v_cache, k, v, tables[i], 0)
+        seqs.append((f32(rng.standard_normal((n_new, H, d))), k, v))
+    q = np.concatenate([s[0] for s in seqs])
+    lengths = np.array([n for _, n in shapes], dtype=np.int32)
+    rows = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
+    starts = np.array([c for c, _ in shapes], dtype=np.int32)
+    out = np.zeros_like(q)
+    with threads(2):
+        attn.attention_batch(q, k_cache, v_cache, tables, rows, lengths, starts, 0.2, out, window)
+    for i, (qi, k, v) in enumerate(seqs):
+        expected = attention_reference(qi, k.astype(dtype), v.astype(dtype), int(starts[i]), 0.2, window)
+        np.testing.assert_allclose(out[rows[i]: rows[i] + lengths[i]], expected, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"sequence {i}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_sliding_window_rows_are_bit_identical_however_they_are_computed(dtype: type) -> None:
+    """With a window, as without: whole prompt, token by token (decode rows split into segments over the
+    threads), random chunks, 1 or 2 threads give every token the same bits; and the window changes them."""
+    rng = np.random.default_rng(74)
+    n, H, n_kv, d, window = 3 * SEG + 5, 4, 1, 64, SEG + 40
+    q, k, v = (f32(rng.standard_normal((n, h, d))) for h in (H, n_kv, n_kv))
+    n_blocks = -(-n // BLOCK) + 3
+
+    def run(chunks: list[int]) -> np.ndarray:
+        table = shuffled_blocks(rng, n, n_blocks)
+        k_cache, v_cache = new_cache(n_blocks, n_kv, d, dtype)
+        outs, pos = [], 0
+        for size in chunks:
+            sl = slice(pos, pos + size)
+            attn.kv_write(k_cache, v_cache, f32(k[sl]), f32(v[sl]), table, pos)
+            out = np.empty_like(q[sl])
+            attn.attention_batch(f32(q[sl]), k_cache, v_cache, table[None, :], np.zeros(1, dtype=np.int32),
+                                 np.array([size], dtype=np.int32), np.array([pos], dtype=np.int32), 0.125, out,
+                                 window)
+            outs.append(out)
+            pos += size
+        return np.concatenate(outs)
+
+    with threads(2):
+        whole = run([n])
+        assert np.array_equal(as_bits(run([1] * n)), as_bits(whole))
+        cuts = np.sort(rng.choice(np.arange(1, n), size=6, replace=False))
+        assert np.array_equal(as_bits(run(np.diff(np.concatenate([[0], cuts, [n]])).tolist())), as_bits(whole))
+    with threads(1):
+        assert np.array_equal(as_bits(run([n - 40] + [1] * 40)), as_bits(whole))
+    unwindowed = run_chunks(q, k, v, [n], shuffled_blocks(rng, n, n_blocks), n_blocks, dtype)
+    assert np.array_equal(as_bits(unwindowed[:window]), as_bits(whole[:window]))
+    assert not np.array_equal(unwindowed[window:], whole[window:])
+
+
+@pytest.mark.parametrize("n", [SEG - 10, SEG + 30, 3 * SEG + 5])
+def test_windowed_segment_partials_merge_from_the_first_segment_of_the_window(n: int) -> None:
+    """segment_partials with a window: segments wholly before a row's window leave it untouched, and folding
+    the rest in order from the segment holding its first position gives attention's output."""
+    rng = np.random.default_rng(n + 1)
+    n_kv, d, window = 1, 32, SEG - 20
+    q = f32(rng.standard_normal((2, d)))
+    k, v = (f32(rng.standard_normal((n, n_kv, d))) for _ in range(2))
+    n_blocks = -(-n // BLOCK)
+    table = shuffled_blocks(rng, n, n_blocks)
+    k_cache, v_cache = new_cache(n_blocks, n_kv, d, np.float32)
+    attn.kv_write(k_cache, v_cache, k, v, table, 0)
+    out = np.empty((1, 1, d), dtype=np.float32)
+    attn.attention_batch(q[:1, None, :], k_cache, v_cache, table[None, :], np.zeros(1, dtype=np.int32),
+                         np.ones(1, dtype=np.int32), np.array([n - 1], dtype=np.int32), 0.2, out, window)
+    n_pos = np.array([n, 40], dtype=np.intp)
+    parts = [attn.segment_partials(q, k_cache, v_cache, 0, table, n_pos, p0, min(p0 + SEG, n), 0.2, window)
+             for p0 in range(0, n, SEG)]
+    first = max(0, n - window) // SEG
+    assert all(np.isnan(p[0][0]) for p in parts[:first])
+    top, total, acc = (np.array([p[j][0] for p in parts[first:]]) for j in range(3))
+    merged = attn.merge_partials(f32(top), f32(total), f32(acc))
+    assert np.array_equal(as_bits(merged), as_bits(out[0, 0]))
+    np.testing.assert_allclose(merged, attention_reference(q[:1, None, :], k, v, n - 1, 0.2, window)[0, 0],
+                               rtol=1e-5, atol=1e-6)

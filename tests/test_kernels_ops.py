@@ -82,6 +82,34 @@ def test_silu_mul_matches_reference_and_may_write_into_gate(m: int, n: int) -> N
     assert np.array_equal(gate, out)
 
 
+def gelu_tanh_reference(x: np.ndarray) -> np.ndarray:
+    """0.5 x (1 + tanh(u)) as x * sigmoid(2u), which float64 keeps accurate where 1 + tanh(u) would cancel."""
+    x64 = x.astype(np.float64)
+    return x64 * sigmoid_reference(2.0 * math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64**3))
+
+
+@pytest.mark.parametrize("m,n", [(1, 7), (3, 64), (17, 1000), (70, 24)])
+def test_gelu_tanh_mul_matches_reference_and_may_write_into_gate(m: int, n: int) -> None:
+    rng = np.random.default_rng(m * 37 + n)
+    gate, up = f32(rng.standard_normal((m, n)) * 4), f32(rng.standard_normal((m, n)))
+    out = np.empty_like(gate)
+    ops.gelu_tanh_mul(gate, up, out)
+    np.testing.assert_allclose(out, gelu_tanh_reference(gate) * up, rtol=2e-6, atol=1e-7)
+    ops.gelu_tanh_mul(gate, up, gate)
+    assert np.array_equal(gate, out)
+
+
+def test_gelu_tanh_is_accurate_across_the_float_range() -> None:
+    gate = f32(np.concatenate([np.linspace(-30, 30, 20001), [-1e4, -200, -20, 0, 20, 200, 1e4, np.inf, -np.inf]]))
+    out = np.empty((1, gate.size), dtype=np.float32)
+    ops.gelu_tanh_mul(gate[None, :], np.ones((1, gate.size), dtype=np.float32), out)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = gelu_tanh_reference(gate)
+    # Where exp(-2u) is huge the rounding of u in float32 shows: about |2u| * 2^-24 relative.
+    np.testing.assert_allclose(out[0, :-9], expected[:-9], rtol=1e-5, atol=1e-30)
+    assert np.array_equal(out[0, -9:-2], f32([-0.0, -0.0, -0.0, 0.0, 20.0, 200.0, 1e4]))
+
+
 @pytest.mark.parametrize("m,n", [(1, 5), (3, 64), (17, 1000)])
 def test_sigmoid_mul_matches_reference(m: int, n: int) -> None:
     rng = np.random.default_rng(m * 7 + n)

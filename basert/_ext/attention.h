@@ -11,22 +11,29 @@
  * other rows, a row's partials and hence its output bits are the same: a token's output depends only
  * on its query and the cache contents, never on batching, prompt splits or thread counts.
  *
+ * Sliding windows. With a window of W positions (0: none) a row that sees positions 0 .. n-1 attends to
+ * positions first .. n-1 only, first = basert_attn_first(n, W) = max(0, n - W). Its segments are those
+ * that hold one of these positions, from segment first / S on; in the segment holding `first` the
+ * earlier positions take part with score -inf, so their weights are exactly 0 (the same fixed segment
+ * boundaries, whatever the window). The segments before it are never read.
+ *
  * Building blocks (static, for any module that includes this header; no allocation, no threads):
- *   basert_attend_segment(n_rows, q, n_pos, p0, p1, k, v, kv_f16, block_table, block_stride, d, scale,
+ *   basert_attend_segment(n_rows, q, n_pos, window, p0, p1, k, v, kv_f16, block_table, block_stride, d, scale,
  *                         scores, top, sum, acc)
  *       the partials of segment [p0, p1) (p0 = jS, p1 = min(p0 + S, max n_pos)) for n_rows query rows
  *       of one kv head: q[r] the row's d floats, n_pos[r] the positions it sees (rows with
- *       n_pos[r] <= p0 are skipped and their outputs untouched; rows with n_pos[r] < p1 stop there).
+ *       n_pos[r] <= p0 or whose window starts at or after p1 are skipped and their outputs untouched;
+ *       rows with n_pos[r] < p1 stop there).
  *       k, v point at that kv head's rows in cache block 0 (float, or uint16_t halves when kv_f16);
  *       block_table[i] is the cache block of positions 16i .. 16i+15, block_stride the elements per
  *       cache block. Writes top[r], sum[r] and acc[r][0..d); scores is scratch of
  *       n_rows * BASERT_ATTN_SEGMENT floats. Any n_rows; rows of different kv heads need separate calls.
  *   basert_attend_merge(n_segments, top, sum, acc, acc_stride, d, out)
- *       one row's output from its n_segments = ceil(n / S) partials: top[j], sum[j],
- *       acc[j * acc_stride .. + d).
+ *       one row's output from the partials of its n_segments = ceil(n / S) - first / S segments: top[j],
+ *       sum[j], acc[j * acc_stride .. + d), j counted from the row's first segment.
  *   basert_attend_fold(&top, &sum, acc, top_j, sum_j, acc_j, d)
  *       one step of that merge, for callers that fold as segments complete.
- *   basert_attend_rows(n_rows, q, n_pos, k, v, kv_f16, block_table, block_stride, d, scale, scratch, out)
+ *   basert_attend_rows(n_rows, q, n_pos, window, k, v, kv_f16, block_table, block_stride, d, scale, scratch, out)
  *       whole rows on the calling thread (prefill), same bits as segments + merge; n_rows <=
  *       BASERT_ATTN_MAX_ROWS, scratch of BASERT_ATTN_ROWS_SCRATCH(n_rows, d) floats.
  * Rows of one kv head attended together share every K and V row they both see, read once. */
@@ -41,6 +48,17 @@
 
 /* Positions per segment: a multiple of the cache block. */
 #define BASERT_ATTN_SEGMENT 256
+
+/* The first position a row that sees positions 0 .. n-1 attends to under a sliding window of `window`
+ * positions (0: no window). */
+static inline ptrdiff_t basert_attn_first(ptrdiff_t n, ptrdiff_t window) {
+    return window > 0 && n > window ? n - window : 0;
+}
+
+/* Whether a row that sees positions 0 .. n-1 through `window` attends to any position of [p0, p0 + S). */
+static inline int basert_attn_takes_part(ptrdiff_t n, ptrdiff_t window, ptrdiff_t p0) {
+    return n > p0 && basert_attn_first(n, window) < p0 + BASERT_ATTN_SEGMENT;
+}
 
 /* IEEE half -> float, exactly as F16C converts. */
 static inline float basert_f16_to_f32(uint16_t h) {
@@ -232,46 +250,61 @@ static void basert_weighted_rows_all(const float *weights, ptrdiff_t n, const fl
 }
 #endif
 
-/* Partial of one segment: for each row r with n_pos[r] > p0, over its positions p0 .. e_r - 1
- * (e_r = min(p1, n_pos[r])): top[r] = max of s_p = scale * q[r].k_p, sum[r] = sum of exp(s_p - top[r])
- * and acc[r][0..d) = sum of exp(s_p - top[r]) * v_p, each in position order (see the top of this file).
- * Rows with n_pos[r] <= p0 are left untouched. p0 is a multiple of 8; scores holds
- * n_rows * BASERT_ATTN_SEGMENT floats; p1 - p0 <= BASERT_ATTN_SEGMENT. */
-static void basert_attend_segment(int n_rows, const float *const *q, const ptrdiff_t *n_pos, ptrdiff_t p0, ptrdiff_t p1,
-                                  const void *k, const void *v, int kv_f16, const int32_t *block_table,
-                                  ptrdiff_t block_stride, ptrdiff_t d, float scale, float *scores, float *top,
-                                  float *sum, float *const *acc) {
+/* Partial of one segment: for each row r that takes part (n_pos[r] > p0 and its window's first position
+ * f_r < p1), over its positions p0 .. e_r - 1 (e_r = min(p1, n_pos[r])): top[r] = max of s_p = scale * q[r].k_p,
+ * sum[r] = sum of exp(s_p - top[r]) and acc[r][0..d) = sum of exp(s_p - top[r]) * v_p, each in position
+ * order (see the top of this file), where s_p = -inf for p < f_r. Other rows are left untouched. p0 is
+ * a multiple of BASERT_ATTN_SEGMENT; scores holds n_rows * BASERT_ATTN_SEGMENT floats; p1 - p0 <=
+ * BASERT_ATTN_SEGMENT. */
+static void basert_attend_segment(int n_rows, const float *const *q, const ptrdiff_t *n_pos, ptrdiff_t window,
+                                  ptrdiff_t p0, ptrdiff_t p1, const void *k, const void *v, int kv_f16,
+                                  const int32_t *block_table, ptrdiff_t block_stride, ptrdiff_t d, float scale,
+                                  float *scores, float *top, float *sum, float *const *acc) {
     const ptrdiff_t S = BASERT_ATTN_SEGMENT;
     ptrdiff_t end = p0; /* the furthest position any row needs in this segment */
+    ptrdiff_t start = p1; /* the first position any row attends to in this segment */
     for (int r = 0; r < n_rows; r++) {
-        if (n_pos[r] <= p0) continue;
+        if (!basert_attn_takes_part(n_pos[r], window, p0)) continue;
         top[r] = -INFINITY;
-        const ptrdiff_t e = n_pos[r] < p1 ? n_pos[r] : p1;
+        const ptrdiff_t e = n_pos[r] < p1 ? n_pos[r] : p1, f = basert_attn_first(n_pos[r], window);
         if (e > end) end = e;
+        if (f < start) start = f;
     }
+    /* Scores of positions before a row's window (only in the segment holding its first position). */
+    for (int r = 0; r < n_rows; r++)
+        if (basert_attn_takes_part(n_pos[r], window, p0))
+            for (ptrdiff_t p = p0; p < basert_attn_first(n_pos[r], window); p++) scores[r * S + (p - p0)] = -INFINITY;
+    /* Whole groups of 8 positions before every row's window are not read (their weights would be +0, which
+     * leaves every sum as it is). */
+    const ptrdiff_t read_from = start > p0 ? p0 + ((start - p0) & ~(ptrdiff_t)7) : p0;
+    ptrdiff_t p = read_from;
 #if defined(BASERT_SIMD)
     float buf[BASERT_ATTN_BUF_FLOATS];
     const int fast = (d & 7) == 0 && 8 * d <= BASERT_ATTN_BUF_FLOATS;
 #endif
-    for (ptrdiff_t p = p0; p < end;) {
+    while (p < end) {
         const ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
 #if defined(BASERT_SIMD)
         /* Positions p .. p + 7 lie in one block (8 divides the block size and p is a multiple of 8). */
         if (fast && (p & 7) == 0 && p + 8 <= end) {
             basert_gather_rows(k, kv_f16, block_table, block_stride, d, p, p + 8, buf);
             for (int r = 0; r < n_rows; r++) {
-                if (p >= n_pos[r]) continue;
+                if (p >= n_pos[r] || !basert_attn_takes_part(n_pos[r], window, p0)) continue;
+                const ptrdiff_t f = basert_attn_first(n_pos[r], window);
+                if (p + 8 <= f) continue; /* scores already -inf */
                 float *s = scores + r * S + (p - p0), t = top[r]; /* a local max stays in a register */
                 if (p + 8 <= n_pos[r]) {
                     const __m256 x8 = basert_scores8(q[r], buf, d, scale);
                     float x[8];
-                    _mm256_storeu_ps(s, x8);
                     _mm256_storeu_ps(x, x8);
-                    for (int j = 0; j < 8; j++)
+                    for (int j = 0; j < 8; j++) {
+                        if (p + j < f) x[j] = -INFINITY;
+                        s[j] = x[j];
                         if (x[j] > t) t = x[j];
+                    }
                 } else {
                     for (ptrdiff_t j = 0; p + j < n_pos[r]; j++) {
-                        float x = basert_dot(q[r], buf + j * d, d) * scale;
+                        float x = p + j < f ? -INFINITY : basert_dot(q[r], buf + j * d, d) * scale;
                         s[j] = x;
                         if (x > t) t = x;
                     }
@@ -283,7 +316,8 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
         }
 #endif
         for (int r = 0; r < n_rows; r++) {
-            if (p >= n_pos[r]) continue;
+            if (p >= n_pos[r] || !basert_attn_takes_part(n_pos[r], window, p0) || p < basert_attn_first(n_pos[r], window))
+                continue;
             float s = kv_f16 ? basert_dot_f16(q[r], (const uint16_t *)k + row, d) : basert_dot(q[r], (const float *)k + row, d);
             s *= scale;
             scores[r * S + (p - p0)] = s;
@@ -292,28 +326,28 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
         p++;
     }
     for (int r = 0; r < n_rows; r++) {
-        if (n_pos[r] <= p0) continue;
+        if (!basert_attn_takes_part(n_pos[r], window, p0)) continue;
         sum[r] = basert_exp_shifted_sum(scores + r * S, top[r], (n_pos[r] < p1 ? n_pos[r] : p1) - p0);
         memset(acc[r], 0, (size_t)d * sizeof(float));
     }
 #if defined(BASERT_SIMD)
     if (d <= BASERT_ATTN_BUF_FLOATS) {
         const ptrdiff_t chunk = BASERT_ATTN_BUF_FLOATS / d;
-        for (ptrdiff_t c0 = p0; c0 < end; c0 += chunk) {
+        for (ptrdiff_t c0 = read_from; c0 < end; c0 += chunk) {
             const ptrdiff_t c1 = c0 + chunk < end ? c0 + chunk : end;
             basert_gather_rows(v, kv_f16, block_table, block_stride, d, c0, c1, buf);
             for (int r = 0; r < n_rows; r++)
-                if (c0 < n_pos[r])
+                if (c0 < n_pos[r] && basert_attn_takes_part(n_pos[r], window, p0))
                     basert_weighted_rows_all(scores + r * S + (c0 - p0), (c1 < n_pos[r] ? c1 : n_pos[r]) - c0, buf, d,
                                              acc[r]);
         }
         return;
     }
 #endif
-    for (ptrdiff_t p = p0; p < end; p++) {
+    for (ptrdiff_t p = read_from; p < end; p++) {
         const ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
         for (int r = 0; r < n_rows; r++) {
-            if (p >= n_pos[r]) continue;
+            if (p >= n_pos[r] || !basert_attn_takes_part(n_pos[r], window, p0)) continue;
             if (kv_f16)
                 basert_axpy_f16(scores[r * S + (p - p0)], (const uint16_t *)v + row, acc[r], d);
             else
@@ -355,31 +389,40 @@ static inline void basert_attend_merge(int n_segments, const float *top, const f
 /* Floats of scratch basert_attend_rows needs for n_rows rows of head dim d. */
 #define BASERT_ATTN_ROWS_SCRATCH(n_rows, d) ((ptrdiff_t)(n_rows) * (BASERT_ATTN_SEGMENT + (d)))
 
-/* out[r][0..d) = softmax(scale * q[r].k_p for p < n_pos[r]) . v_p for n_rows <= BASERT_ATTN_MAX_ROWS
- * query rows of one kv head, on the calling thread: segment after segment, each folded into out[r]
- * as it completes, which is basert_attend_merge of the same partials, bit for bit. scratch holds
- * BASERT_ATTN_ROWS_SCRATCH(n_rows, d) floats. */
-static inline void basert_attend_rows(int n_rows, const float *const *q, const ptrdiff_t *n_pos, const void *k,
-                                      const void *v, int kv_f16, const int32_t *block_table, ptrdiff_t block_stride,
-                                      ptrdiff_t d, float scale, float *scratch, float *const *out) {
+/* out[r][0..d) = softmax(scale * q[r].k_p for basert_attn_first(n_pos[r], window) <= p < n_pos[r]) . v_p for
+ * n_rows <= BASERT_ATTN_MAX_ROWS query rows of one kv head, on the calling thread: segment after segment, each
+ * folded into out[r] as it completes (a row's first segment taken as it is), which is basert_attend_merge of
+ * the same partials, bit for bit. scratch holds BASERT_ATTN_ROWS_SCRATCH(n_rows, d) floats. */
+static inline void basert_attend_rows(int n_rows, const float *const *q, const ptrdiff_t *n_pos, ptrdiff_t window,
+                                      const void *k, const void *v, int kv_f16, const int32_t *block_table,
+                                      ptrdiff_t block_stride, ptrdiff_t d, float scale, float *scratch, float *const *out) {
     float top[BASERT_ATTN_MAX_ROWS], sum[BASERT_ATTN_MAX_ROWS], top_j[BASERT_ATTN_MAX_ROWS], sum_j[BASERT_ATTN_MAX_ROWS];
     float *acc_j[BASERT_ATTN_MAX_ROWS];
     float *scores = scratch, *parts = scratch + (ptrdiff_t)n_rows * BASERT_ATTN_SEGMENT;
-    ptrdiff_t n_max = 0;
+    ptrdiff_t n_max = 0, first = -1;
     for (int r = 0; r < n_rows; r++) {
         acc_j[r] = parts + r * d;
         if (n_pos[r] > n_max) n_max = n_pos[r];
+        if (n_pos[r] > 0) {
+            const ptrdiff_t f = basert_attn_first(n_pos[r], window);
+            if (first < 0 || f < first) first = f;
+        }
     }
     if (n_max == 0) return;
-    /* Segment 0 writes its partial straight into the running state. */
-    basert_attend_segment(n_rows, q, n_pos, 0, n_max < BASERT_ATTN_SEGMENT ? n_max : BASERT_ATTN_SEGMENT, k, v, kv_f16,
-                          block_table, block_stride, d, scale, scores, top, sum, out);
-    for (ptrdiff_t p0 = BASERT_ATTN_SEGMENT; p0 < n_max; p0 += BASERT_ATTN_SEGMENT) {
+    for (ptrdiff_t p0 = first - first % BASERT_ATTN_SEGMENT; p0 < n_max; p0 += BASERT_ATTN_SEGMENT) {
         const ptrdiff_t p1 = p0 + BASERT_ATTN_SEGMENT < n_max ? p0 + BASERT_ATTN_SEGMENT : n_max;
-        basert_attend_segment(n_rows, q, n_pos, p0, p1, k, v, kv_f16, block_table, block_stride, d, scale, scores, top_j,
-                              sum_j, acc_j);
-        for (int r = 0; r < n_rows; r++)
-            if (n_pos[r] > p0) basert_attend_fold(&top[r], &sum[r], out[r], top_j[r], sum_j[r], acc_j[r], d);
+        basert_attend_segment(n_rows, q, n_pos, window, p0, p1, k, v, kv_f16, block_table, block_stride, d, scale,
+                              scores, top_j, sum_j, acc_j);
+        for (int r = 0; r < n_rows; r++) {
+            if (!basert_attn_takes_part(n_pos[r], window, p0)) continue;
+            if (basert_attn_first(n_pos[r], window) >= p0) { /* the row's first segment */
+                top[r] = top_j[r];
+                sum[r] = sum_j[r];
+                memcpy(out[r], acc_j[r], (size_t)d * sizeof(float));
+            } else {
+                basert_attend_fold(&top[r], &sum[r], out[r], top_j[r], sum_j[r], acc_j[r], d);
+            }
+        }
     }
     for (int r = 0; r < n_rows; r++)
         if (n_pos[r] > 0) basert_scale(1.0f / sum[r], out[r], d);

@@ -21,13 +21,15 @@ cdef extern from "attention.h" nogil:
     enum: BASERT_ATTN_MAX_ROWS
     enum: BASERT_ATTN_SEGMENT
     Py_ssize_t BASERT_ATTN_ROWS_SCRATCH(Py_ssize_t n_rows, Py_ssize_t d)
-    void basert_attend_segment(int n_rows, const float *const *q, const Py_ssize_t *n_pos, Py_ssize_t p0,
-                               Py_ssize_t p1, const void *k, const void *v, int kv_f16, const int32_t *block_table,
+    Py_ssize_t basert_attn_first(Py_ssize_t n, Py_ssize_t window)
+    void basert_attend_segment(int n_rows, const float *const *q, const Py_ssize_t *n_pos, Py_ssize_t window,
+                               Py_ssize_t p0, Py_ssize_t p1, const void *k, const void *v, int kv_f16, const int32_t *block_table,
                                Py_ssize_t block_stride, Py_ssize_t d, float scale, float *scores, float *top,
                                float *sum, float *const *acc)
     void basert_attend_merge(int n_segments, const float *top, const float *sum, const float *acc,
                              Py_ssize_t acc_stride, Py_ssize_t d, float *out)
-    void basert_attend_rows(int n_rows, const float *const *q, const Py_ssize_t *n_pos, const void *k, const void *v,
+    void basert_attend_rows(int n_rows, const float *const *q, const Py_ssize_t *n_pos, Py_ssize_t window,
+                            const void *k, const void *v,
                             int kv_f16, const int32_t *block_table, Py_ssize_t block_stride, Py_ssize_t d,
                             float scale, float *scratch, float *const *out)
 
@@ -177,6 +179,7 @@ cdef struct Plan:
     Py_ssize_t item, block_stride
     int f16
     float scale
+    Py_ssize_t window   # sliding window in positions, 0 for none
     # Segment partials (split plans): unit u's row r keeps max_seg tops, max_seg sums, then max_seg
     # accumulators of d floats, at parts + (u * BASERT_ATTN_MAX_ROWS + r) * max_seg * (d + 2).
     float *parts
@@ -211,7 +214,7 @@ cdef void _attend_unit(const Plan *pl, Py_ssize_t u, float *scratch) noexcept no
     cdef const int32_t *table
     cdef Py_ssize_t head_offset
     cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_offset)
-    basert_attend_rows(n, rows_q, rows_pos, pl.kc + head_offset, pl.vc + head_offset, pl.f16, table,
+    basert_attend_rows(n, rows_q, rows_pos, pl.window, pl.kc + head_offset, pl.vc + head_offset, pl.f16, table,
                        pl.block_stride, pl.d, pl.scale, scratch, rows_out)
 
 
@@ -234,10 +237,10 @@ cdef void _attend_unit_segment(const Plan *pl, Py_ssize_t u, Py_ssize_t j, float
     if p0 >= n_max:
         return
     p1 = min(p0 + BASERT_ATTN_SEGMENT, n_max)
-    basert_attend_segment(n, rows_q, rows_pos, p0, p1, pl.kc + head_offset, pl.vc + head_offset, pl.f16, table,
+    basert_attend_segment(n, rows_q, rows_pos, pl.window, p0, p1, pl.kc + head_offset, pl.vc + head_offset, pl.f16, table,
                           pl.block_stride, pl.d, pl.scale, scratch, top, total, acc)
     for r in range(n):
-        if rows_pos[r] > p0:
+        if rows_pos[r] > p0 and basert_attn_first(rows_pos[r], pl.window) < p0 + BASERT_ATTN_SEGMENT:
             part = pl.parts + (u * BASERT_ATTN_MAX_ROWS + r) * row_floats
             part[j] = top[r]
             part[pl.max_seg + j] = total[r]
@@ -251,18 +254,21 @@ cdef void _merge_unit(const Plan *pl, Py_ssize_t u) noexcept nogil:
     cdef const int32_t *table
     cdef Py_ssize_t head_offset, row_floats = pl.max_seg * (pl.d + 2)
     cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_offset), r
+    cdef Py_ssize_t first
     cdef float *part
     for r in range(n):
         part = pl.parts + (u * BASERT_ATTN_MAX_ROWS + r) * row_floats
-        basert_attend_merge((rows_pos[r] + BASERT_ATTN_SEGMENT - 1) // BASERT_ATTN_SEGMENT, part, part + pl.max_seg,
-                            part + 2 * pl.max_seg, pl.d, pl.d, rows_out[r])
+        first = basert_attn_first(rows_pos[r], pl.window) // BASERT_ATTN_SEGMENT
+        basert_attend_merge((rows_pos[r] + BASERT_ATTN_SEGMENT - 1) // BASERT_ATTN_SEGMENT - first, part + first,
+                            part + pl.max_seg + first, part + 2 * pl.max_seg + first * pl.d, pl.d, pl.d, rows_out[r])
 
 
 def attention_batch(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[:, ::1] tables,
                     const int32_t[::1] rows, const int32_t[::1] lengths, const int32_t[::1] starts, float scale,
-                    float[:, :, ::1] out):
+                    float[:, :, ::1] out, Py_ssize_t window=0):
     """attention() for several sequences in one parallel pass: rows rows[i] .. rows[i]+lengths[i]-1 of q
-    are positions starts[i] .. of the sequence whose block table is tables[i]."""
+    are positions starts[i] .. of the sequence whose block table is tables[i]. With a sliding window W > 0 the
+    token at position p attends to positions max(0, p - W + 1) .. p only."""
     cdef bint f16 = _check_cache(k_cache, v_cache, False)
     cdef Py_ssize_t T = q.shape[0], H = q.shape[1], d = q.shape[2]
     cdef Py_ssize_t n_kv = k_cache.shape[1]
@@ -273,6 +279,8 @@ def attention_batch(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[:,
     if n_kv == 0 or H % n_kv:
         raise ValueError(f"{H} query heads cannot share {n_kv} kv heads")
     _check_items(tables, rows, lengths, starts, T, k_cache.shape[0], False)
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: none), got {window}")
     cdef Plan pl
     cdef Py_ssize_t n_seq = tables.shape[0], s, r, n_max = 0, n_tiles = 0, tile = 0
     pl.group = H // n_kv
@@ -321,6 +329,7 @@ def attention_batch(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[:,
     pl.block_stride = n_kv * BASERT_KV_BLOCK * d
     pl.f16 = f16
     pl.scale = scale
+    pl.window = window
     pl.parts = thread_scratch + nt * per_thread
     with nogil:
         if not split:
@@ -339,9 +348,10 @@ SEGMENT = BASERT_ATTN_SEGMENT
 
 
 def segment_partials(const float[:, ::1] q, k_cache, v_cache, int kv_head, const int32_t[::1] block_table,
-                     const Py_ssize_t[::1] n_pos, Py_ssize_t p0, Py_ssize_t p1, float scale):
+                     const Py_ssize_t[::1] n_pos, Py_ssize_t p0, Py_ssize_t p1, float scale, Py_ssize_t window=0):
     """basert_attend_segment over positions p0 .. p1-1 for query rows q [R, d] of kv head kv_head, row r
-    seeing positions 0 .. n_pos[r]-1: (top [R], sum [R], acc [R, d]), NaN for rows that end by p0."""
+    seeing positions 0 .. n_pos[r]-1 (the last `window` of them when window > 0): (top [R], sum [R],
+    acc [R, d]), NaN for rows that take no part (ended by p0, or windowed to start at or after p1)."""
     cdef bint f16 = _check_cache(k_cache, v_cache, False)
     cdef Py_ssize_t n_rows = q.shape[0], d = q.shape[1], n_max = 0, r
     if n_pos.shape[0] != n_rows or d != k_cache.shape[3] or not 0 <= kv_head < k_cache.shape[1]:
@@ -368,7 +378,7 @@ def segment_partials(const float[:, ::1] q, k_cache, v_cache, int kv_head, const
     cdef const char *vc = <const char *> cnp.PyArray_DATA(v_cache)
     cdef Py_ssize_t block_stride = k_cache.shape[1] * BASERT_KV_BLOCK * d
     with nogil:
-        basert_attend_segment(n_rows, <const float *const *> &rows_q[0], &n_pos[0], p0, p1, kc + head_offset,
+        basert_attend_segment(n_rows, <const float *const *> &rows_q[0], &n_pos[0], window, p0, p1, kc + head_offset,
                               vc + head_offset, f16, &block_table[0], block_stride, d,
                               scale, &scores_v[0], &top_v[0], &total_v[0], <float *const *> &rows_acc[0])
     return top, total, acc

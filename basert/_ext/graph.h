@@ -215,7 +215,7 @@ static void bg_attention_segment(bg_model *m, const bg_layer *l, int unit, int j
         const int n = rows.n - r0 < BASERT_ATTN_MAX_ROWS ? rows.n - r0 : BASERT_ATTN_MAX_ROWS;
         for (int r = 0; r < n; r++)
             acc[r] = n_segments == 1 ? rows.out[r0 + r] : m->part_acc + ((ptrdiff_t)rows.index[r0 + r] * m->max_segments + j) * d;
-        basert_attend_segment(n, rows.q + r0, rows.n_pos + r0, p0, p1, l->k_cache + head_offset, l->v_cache + head_offset,
+        basert_attend_segment(n, rows.q + r0, rows.n_pos + r0, 0, p0, p1, l->k_cache + head_offset, l->v_cache + head_offset,
                               m->kv_f16, table, block_stride, d, m->scale, scores, top, sum, acc);
         for (int r = 0; r < n; r++) {
             if (rows.n_pos[r0 + r] <= p0) continue;

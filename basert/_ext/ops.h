@@ -1,4 +1,4 @@
-/* Row kernels for the element-wise and per-head parts of a layer: gated RMSNorm, SwiGLU, the
+/* Row kernels for the element-wise and per-head parts of a layer: gated RMSNorm, SwiGLU, GeGLU, the
  * sigmoid output gate, and rotary embeddings. Each row is computed the same way whatever the number
  * of rows, so results are batch invariant. */
 #ifndef BASERT_OPS_H
@@ -22,6 +22,29 @@ static inline void basert_silu_mul_row(const float *gate, const float *up, float
     }
 #endif
     for (; i < n; i++) out[i] = basert_silu(gate[i]) * up[i];
+}
+
+/* GeLU with the tanh approximation, as x * sigmoid(2u) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3):
+ * the vector path below performs these float operations in this order. */
+#define BASERT_GELU_2C 1.5957691216057308f /* 2 sqrt(2/pi) */
+static inline float basert_gelu_tanh(float x) {
+    const float z = fmaf(0.044715f, (x * x) * x, x) * BASERT_GELU_2C;
+    return x / (1.0f + basert_expf(-z));
+}
+
+/* out[i] = gelu_tanh(gate[i]) * up[i] (GeGLU); out may be gate or up. */
+static inline void basert_gelu_tanh_mul_row(const float *gate, const float *up, float *out, ptrdiff_t n) {
+    ptrdiff_t i = 0;
+#if defined(BASERT_SIMD)
+    const __m256 one = _mm256_set1_ps(1.0f), a = _mm256_set1_ps(0.044715f), c = _mm256_set1_ps(BASERT_GELU_2C);
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 z = _mm256_mul_ps(_mm256_fmadd_ps(a, _mm256_mul_ps(_mm256_mul_ps(g, g), g), g), c);
+        __m256 e = basert_exp8(_mm256_sub_ps(_mm256_setzero_ps(), z));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = basert_gelu_tanh(gate[i]) * up[i];
 }
 
 /* x[i] = silu(x[i]) */

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""Element-wise and per-head kernels around the matmuls: q/k RMSNorm, gated RMSNorm, SwiGLU, the
+"""Element-wise and per-head kernels around the matmuls: q/k RMSNorm, gated RMSNorm, SwiGLU, GeGLU, the
 sigmoid output gate and RoPE (float32, GIL released, rows in parallel)."""
 
 import math
@@ -15,6 +15,7 @@ cdef extern from "simd.h" nogil:
 
 cdef extern from "ops.h" nogil:
     void basert_silu_mul_row(const float *gate, const float *up, float *out, Py_ssize_t n)
+    void basert_gelu_tanh_mul_row(const float *gate, const float *up, float *out, Py_ssize_t n)
     void basert_sigmoid_mul_row(float *x, const float *gate, Py_ssize_t n)
     void basert_gated_rmsnorm_row(const float *x, const float *z, const float *w, float eps, float *out,
                                   Py_ssize_t n)
@@ -70,6 +71,18 @@ def silu_mul(const float[:, ::1] gate, const float[:, ::1] up, float[:, ::1] out
     with nogil:
         for i in prange(m, schedule="static", num_threads=basert_threads_for(m * n)):
             basert_silu_mul_row(&gate[i, 0], &up[i, 0], &out[i, 0], n)
+
+
+def gelu_tanh_mul(const float[:, ::1] gate, const float[:, ::1] up, float[:, ::1] out):
+    """out = gelu_tanh(gate) * up (GeGLU, GeLU's tanh approximation); out may be gate."""
+    cdef Py_ssize_t m = gate.shape[0], n = gate.shape[1], i
+    if not _same_shape(&gate.shape[0], &up.shape[0], 2) or not _same_shape(&gate.shape[0], &out.shape[0], 2):
+        raise ValueError("gate, up and out must have the same shape")
+    if m == 0 or n == 0:
+        return
+    with nogil:
+        for i in prange(m, schedule="static", num_threads=basert_threads_for(m * n)):
+            basert_gelu_tanh_mul_row(&gate[i, 0], &up[i, 0], &out[i, 0], n)
 
 
 def sigmoid_mul(float[:, ::1] x, const float[:, ::1] gate):
