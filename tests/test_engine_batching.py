@@ -24,9 +24,12 @@ def run_alone(runner: ModelRunner, prompt: list[int], decode: list[int]) -> list
     return out
 
 
-@pytest.fixture(params=["smollm2", "qwen3_5-tiny", "qwen3_5_moe-tiny"])
+@pytest.fixture(params=["smollm2", "gemma3", "qwen3_5-tiny", "qwen3_5_moe-tiny"])
 def runner(request, smollm2_base: Path, tiny_f32_bases: dict[str, Path]):
-    path = smollm2_base if request.param == "smollm2" else tiny_f32_bases[request.param]
+    if request.param == "gemma3":
+        path = request.getfixturevalue("gemma3_base")
+    else:
+        path = smollm2_base if request.param == "smollm2" else tiny_f32_bases[request.param]
     runner = ModelRunner(path, max_context=256, max_sequences=3, kv_dtype=np.float16)
     yield runner
     runner.close()

@@ -52,8 +52,11 @@ def prompts(vocab: int, shared: int = 100, suffix: int = 9, n: int = 4) -> list[
     return [prefix + rng.integers(0, vocab, suffix + i).tolist() for i in range(n)]
 
 
-@pytest.fixture(params=["smollm2", "qwen3_5-tiny"])
+# Gemma 3 here is slow (a 262,144-token head): its fast isolation checks are in test_gemma3.py.
+@pytest.fixture(params=["smollm2", pytest.param("gemma3", marks=pytest.mark.slow), "qwen3_5-tiny"])
 def model_path(request, smollm2_base: Path, tiny_f32_bases: dict[str, Path]) -> Path:
+    if request.param == "gemma3":
+        return request.getfixturevalue("gemma3_base")
     return smollm2_base if request.param == "smollm2" else tiny_f32_bases[request.param]
 
 

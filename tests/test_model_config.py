@@ -21,6 +21,7 @@ from basert.format import (
 from basert.models import FAMILIES, build_model
 from basert.models.config import (
     ConfigReader,
+    Gemma3Config,
     LlamaConfig,
     MoEConfig,
     Qwen3Config,
@@ -36,8 +37,11 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
           "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4,
           "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+SLIDING = {"sliding_window": 8, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 32,
+           "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
 MINIMAL = {
     "llama": DECODER,
+    "gemma3": {**DECODER, **SLIDING},
     "qwen": DECODER,
     "qwen3_moe": {**DECODER, **MOE},
     "qwen35": {**DECODER, **LINEAR},
@@ -76,8 +80,8 @@ def test_each_source_name_maps_to_one_architecture() -> None:
 @pytest.mark.parametrize("arch", MINIMAL)
 def test_minimal_config_reads_with_the_defaults(tmp_path: Path, arch: str) -> None:
     config = read(tmp_path, arch, MINIMAL[arch])
-    assert type(config) is {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen35": Qwen35Config}[
-        ARCHITECTURES[arch].family]
+    assert type(config) is {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen35": Qwen35Config,
+                            "gemma3": Gemma3Config}[ARCHITECTURES[arch].family]
     assert (config.hidden_size, config.num_key_value_heads, config.head_dim, config.vocab_size) == (64, 2, 32, 512)
     assert config.rope_interleaved is False
     if isinstance(config, LlamaConfig):
@@ -88,6 +92,9 @@ def test_minimal_config_reads_with_the_defaults(tmp_path: Path, arch: str) -> No
         assert config.attn_output_gate is True
         assert config.layer_types == ("linear_attention",) * 3 + ("full_attention",)
         assert config.linear_attention.conv_dim == 2 * 2 * 16 + 4 * 24
+    if isinstance(config, Gemma3Config):
+        assert config.layer_types == ("sliding_attention",) * 3 + ("full_attention",)
+        assert (config.sliding_window, config.rope_local_theta, config.query_pre_attn_scalar) == (8, 10000.0, 32.0)
     moe = getattr(config, "moe", None)
     assert (moe is not None) is ARCHITECTURES[arch].moe
     if moe is not None:
@@ -114,6 +121,13 @@ BAD_VALUES = {
                   ("mlp_only_layers", [4], "config mlp_only_layers is [4], expected a list of layer indices below 4"),
                   ("decoder_sparse_step", 0, "config decoder_sparse_step is 0, expected a positive integer"),
                   ("moe_intermediate_size", None, "config lacks moe_intermediate_size")],
+    "gemma3": [("sliding_window", 0, "config sliding_window is 0, expected a positive integer"),
+               ("layer_types", ["linear_attention"] * 4,
+                "config layer_types is ['linear_attention', 'linear_attention', 'linear_attention', "
+                "'linear_attention'], expected a list of full_attention or sliding_attention"),
+               ("layer_types", ["full_attention"] * 3,
+                "config layer_types has 3 entries, num_hidden_layers is 4"),
+               ("rope_local_base_freq", None, "config lacks rope_local_base_freq")],
     "qwen35moe": [("attn_output_gate", 1, "config attn_output_gate is 1, expected true or false"),
                   ("linear_num_value_heads", 3,
                    "config linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"),

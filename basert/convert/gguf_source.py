@@ -61,6 +61,15 @@ LAYER_NAMES = {
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
+# Where an architecture's GGUF layer names mean something else: Gemma 3's post_attention_norm is the norm of the
+# attention output, its ffn_norm the pre-MLP norm (.base's post_attn_norm), and post_ffw_norm the MLP output's.
+ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "post_attention_norm.weight": "attn_out_norm.weight",
+        "ffn_norm.weight": "post_attn_norm.weight",
+        "post_ffw_norm.weight": "mlp_out_norm.weight",
+    },
+}
 LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Qwen3-Next GGUFs keep in_proj_qkvz / in_proj_ba fused and head-interleaved; re-ordering their
 # quantized rows is not implemented, so such files are refused rather than converted incompletely.
@@ -87,20 +96,24 @@ CONFIG_KEYS = {
     "ssm.state_size": "linear_key_head_dim",
     "ssm.group_count": "linear_num_key_heads",
     "ssm.time_step_rank": "linear_num_value_heads",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base_swa": "rope_local_base_freq",
 }
 
 LOSSLESS_DENSE = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16"}
 LOSSLESS_QUANT = {Q.Q4_0, Q.Q4_1, Q.Q8_0}
 
 
-def canonical_name(gguf_name: str) -> str | None:
-    """The .base name of a GGUF tensor, or None when the name is not a known text-model tensor."""
+def canonical_name(gguf_name: str, gguf_arch_name: str = "") -> str | None:
+    """The .base name of a GGUF tensor of that architecture, or None when the name is not a known text-model
+    tensor."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     match = LAYER.match(gguf_name)
-    if match is None or match.group(2) not in LAYER_NAMES:
+    if match is None:
         return None
-    return f"layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}"
+    name = ARCH_LAYER_NAMES.get(gguf_arch_name, {}).get(match.group(2)) or LAYER_NAMES.get(match.group(2))
+    return None if name is None else f"layers.{match.group(1)}.{name}"
 
 
 def field_value(reader: gguf.GGUFReader, key: str):
@@ -189,7 +202,7 @@ def open_gguf(path: Path, tokenizer_object: dict | None) -> SourceModel:
                 f"{path}: fused GGUF tensor {tensor.name} is not supported; convert the HF safetensors "
                 "checkpoint instead"
             )
-        name = canonical_name(tensor.name)
+        name = canonical_name(tensor.name, arch_name)
         if name is None:
             warnings.append(f"skipping unknown GGUF tensor {tensor.name}")
             continue

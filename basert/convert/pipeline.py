@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from basert.chat.default_templates import BY_ARCH as DEFAULT_TEMPLATES
 from basert.convert.gguf_source import open_gguf
 from basert.convert.hf_source import open_hf
 from basert.convert.source import (
@@ -14,6 +15,7 @@ from basert.convert.source import (
     HEADER_HAS_MOE,
     HEADER_HAS_SSM,
     HEADER_QUANTIZED,
+    HEADER_SLIDING_WINDOW,
     HEADER_TIED_EMBEDDINGS,
     ConvertError,
     ProgressHook,
@@ -76,6 +78,13 @@ def convert(
         header_flags |= HEADER_HAS_SSM | HEADER_HAS_HYBRID
     if model.config.get("tie_word_embeddings"):
         header_flags |= HEADER_TIED_EMBEDDINGS
+    if "sliding_attention" in model.config.get("layer_types", ()):
+        header_flags |= HEADER_SLIDING_WINDOW
+    tokenizer = model.tokenizer
+    if tokenizer.get("tokenizer_type") != "none" and not tokenizer.get("tokenizer.chat_template") \
+            and model.arch.name in DEFAULT_TEMPLATES:
+        tokenizer = {**tokenizer, "tokenizer.chat_template": DEFAULT_TEMPLATES[model.arch.name]}
+        warnings.append(f"the source has no chat template: {model.arch.name}'s turn format is written instead")
     encodings = []
     for tensor in model.tensors:
         encoding, warning = choose_encoding(tensor, policy)
@@ -90,7 +99,7 @@ def convert(
         out,
         arch=model.arch.name,
         config=model.config,
-        tokenizer=model.tokenizer,
+        tokenizer=tokenizer,
         source=model.source,
         quant_scheme=target,
         metadata=model.metadata,

@@ -14,7 +14,7 @@ class Architecture:
     """One value of the header's `arch`."""
 
     name: str                            # the header's `arch`
-    family: str                          # the config class and forward pass: "llama", "qwen3" or "qwen35"
+    family: str                          # the config class and forward pass: "llama", "qwen3", "qwen35", "gemma3"
     hf_model_types: tuple[str, ...]      # HF config.json `model_type` values converted to this arch
     gguf_architectures: tuple[str, ...]  # GGUF `general.architecture` values converted to this arch
     rope_style: str                      # q/k row order in the .base file: "interleaved" pairs or "split_half"
@@ -36,6 +36,9 @@ ARCHITECTURES: dict[str, Architecture] = {
                      moe=False, hybrid=True, zero_centred_norms=True),
         Architecture("qwen35moe", "qwen35", ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"),
                      ("qwen35moe", "qwen3next"), "split_half", moe=True, hybrid=True, zero_centred_norms=True),
+        # From GGUF only: llama.cpp's converter has already added 1 to the norm weights.
+        Architecture("gemma3", "gemma3", (), ("gemma3",), "split_half",
+                     moe=False, hybrid=False, zero_centred_norms=True),
     )
 }
 

@@ -14,8 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from basert.format import ARCHITECTURES, Architecture, BaseFile, ModelValidationError
-from basert.models import llama, qwen3, qwen35
-from basert.models.config import ConfigReader, DecoderConfig, LlamaConfig, Qwen3Config, Qwen35Config
+from basert.models import gemma3, llama, qwen3, qwen35
+from basert.models.config import (
+    ConfigReader,
+    DecoderConfig,
+    Gemma3Config,
+    LlamaConfig,
+    Qwen3Config,
+    Qwen35Config,
+)
 from basert.models.layers import Weights
 from basert.models.transformer import DecoderModel
 
@@ -32,6 +39,7 @@ FAMILIES: dict[str, ModelFamily] = {
     "llama": ModelFamily(LlamaConfig.read, llama.build),
     "qwen3": ModelFamily(Qwen3Config.read, qwen3.build),
     "qwen35": ModelFamily(Qwen35Config.read, qwen35.build),
+    "gemma3": ModelFamily(Gemma3Config.read, gemma3.build),
 }
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")

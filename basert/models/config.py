@@ -14,7 +14,8 @@ from typing import Any
 
 from basert.format import Architecture, BaseFile, ModelValidationError
 
-LAYER_KINDS = ("full_attention", "linear_attention")
+LAYER_KINDS = ("full_attention", "linear_attention")        # hybrid models
+ATTENTION_KINDS = ("full_attention", "sliding_attention")   # models with sliding-window layers
 ROPE_STYLES = ("interleaved", "split_half")
 
 
@@ -68,12 +69,12 @@ class ConfigReader:
             raise self.error(f"config {key} is {value!r}, expected a list of layer indices below {n_layers}")
         return frozenset(value)
 
-    def layer_types(self) -> tuple[str, ...]:
-        """The kind of each layer: `full_attention` or `linear_attention`, one per hidden layer."""
+    def layer_types(self, kinds: tuple[str, ...] = LAYER_KINDS) -> tuple[str, ...]:
+        """The kind of each layer, one of `kinds` per hidden layer."""
         value = self._get("layer_types", None)
         n_layers = self.count("num_hidden_layers")
-        if not isinstance(value, list) or any(kind not in LAYER_KINDS for kind in value):
-            raise self.error(f"config layer_types is {value!r}, expected a list of {' or '.join(LAYER_KINDS)}")
+        if not isinstance(value, list) or any(kind not in kinds for kind in value):
+            raise self.error(f"config layer_types is {value!r}, expected a list of {' or '.join(kinds)}")
         if len(value) != n_layers:
             raise self.error(f"config layer_types has {len(value)} entries, num_hidden_layers is {n_layers}")
         return tuple(value)
@@ -252,4 +253,25 @@ class Qwen35Config(DecoderConfig):
             attn_output_gate=config.flag("attn_output_gate", True),
             linear_attention=LinearAttentionConfig.read(config),
             moe=moe,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma3Config(DecoderConfig):
+    """Gemma 3: sliding-window and global attention layers with their own RoPE bases, q/k norms, GeGLU."""
+
+    layer_types: tuple[str, ...]   # "sliding_attention" or "full_attention", one per layer
+    sliding_window: int            # positions a sliding layer's token sees, itself included
+    rope_local_theta: float        # RoPE base of the sliding layers (rope_theta is the global layers')
+    query_pre_attn_scalar: float   # attention scores are scaled by query_pre_attn_scalar ** -0.5
+
+    @classmethod
+    def read(cls, config: ConfigReader, arch: Architecture) -> Gemma3Config:
+        """A gemma3 header's config, checked."""
+        return cls(
+            **_decoder_values(config),
+            layer_types=config.layer_types(ATTENTION_KINDS),
+            sliding_window=config.count("sliding_window"),
+            rope_local_theta=config.number("rope_local_base_freq"),
+            query_pre_attn_scalar=config.number("query_pre_attn_scalar"),
         )

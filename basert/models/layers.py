@@ -158,10 +158,11 @@ class RopeTables:
 
 
 class Attention:
-    """Causal GQA attention over the paged KV cache; optional per-head q/k norm and output gate."""
+    """Causal GQA attention over the paged KV cache; optional per-head q/k norm, output gate and sliding window
+    (a token at position p then sees positions p - window + 1 .. p)."""
 
     def __init__(self, weights: Weights, prefix: str, config: DecoderConfig, kv_layer: int, rope: RopeTables,
-                 *, qk_norm: bool, output_gate: bool):
+                 *, qk_norm: bool, output_gate: bool, window: int = 0, scale: float | None = None):
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -178,7 +179,8 @@ class Attention:
         self.output_gate = output_gate
         self.kv_layer = kv_layer
         self.rope = rope
-        self.scale = float(self.head_dim) ** -0.5
+        self.scale = float(self.head_dim) ** -0.5 if scale is None else scale
+        self.window = window
 
     def __call__(self, h: np.ndarray, batch: Batch, kv: KVTensors, ws: Workspace, out: np.ndarray) -> np.ndarray:
         t, hd = h.shape[0], self.head_dim
@@ -205,27 +207,33 @@ class Attention:
         k_cache, v_cache = kv.k[self.kv_layer], kv.v[self.kv_layer]
         attn_ext.kv_write_batch(k_cache, v_cache, k, v, batch.tables, batch.rows, batch.lengths, batch.starts)
         attn_ext.attention_batch(q, k_cache, v_cache, batch.tables, batch.rows, batch.lengths, batch.starts,
-                                 self.scale, attn)
+                                 self.scale, attn, self.window)
         flat = attn.reshape(t, self.n_heads * hd)
         if self.output_gate:
             ops.sigmoid_mul(flat, gate)
         return self.o_proj(flat, out)
 
 
-class MLP:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+# The gated MLP's activations: act(gate) * up, computed in place into gate.
+ACTIVATIONS = {"silu": ops.silu_mul, "gelu_tanh": ops.gelu_tanh_mul}
 
-    def __init__(self, weights: Weights, prefix: str, d_model: int, hidden: int):
+
+class MLP:
+    """Gated MLP: down(act(gate(x)) * up(x)), SwiGLU (silu) or GeGLU (GeLU's tanh form)."""
+
+    def __init__(self, weights: Weights, prefix: str, d_model: int, hidden: int, activation: str = "silu"):
         self.gate_proj = Linear(weights, f"{prefix}.gate_proj.weight", hidden, d_model)
         self.up_proj = Linear(weights, f"{prefix}.up_proj.weight", hidden, d_model)
         self.down_proj = Linear(weights, f"{prefix}.down_proj.weight", d_model, hidden)
         self.gate_up_weights = [self.gate_proj.weight, self.up_proj.weight]   # one fused call
         self.hidden = hidden
+        self.activation = activation
+        self._gated = ACTIVATIONS[activation]
 
     def __call__(self, h: np.ndarray, ws: Workspace, out: np.ndarray, tag: str = "mlp") -> np.ndarray:
         t = h.shape[0]
         gate = ws.get(f"{tag}.gate", t, self.hidden)
         up = ws.get(f"{tag}.up", t, self.hidden)
         mm.matmul_many(h, self.gate_up_weights, [gate, up])
-        ops.silu_mul(gate, up, gate)
+        self._gated(gate, up, gate)
         return self.down_proj(gate, out)

@@ -1,8 +1,9 @@
 """The decode fast path: the layers the model files built, handed to the C decode graph (basert._ext.graph).
 
 The Python blocks stay the description of the model: this module only reads their weights and settings. A
-model qualifies when every layer is a pre-norm attention block (no output gate) with a dense SwiGLU MLP —
-Llama/SmolLM2 and dense Qwen3; others (hybrids, MoE) keep the per-kernel path. The graph computes the same
+model qualifies when every layer is a pre-norm attention block (no output gate, no sliding window) with a dense
+SwiGLU MLP and the embeddings are used as they are — Llama/SmolLM2 and dense Qwen3; others (hybrids, MoE, Gemma 3)
+keep the per-kernel path. The graph computes the same
 bits as that path, so which one runs a step never shows in the results.
 """
 
@@ -23,11 +24,15 @@ MAX_GRAPH_TOKENS = 16
 
 def decode_graph(model: DecoderModel) -> DecodeGraph | None:
     """The C decode graph of the model's layers, or None when a layer is of a kind the graph does not run."""
+    if model.embed_scale is not None:
+        return None
     specs = []
     rope = None
     for index, layer in enumerate(model.layers):
         attention, mlp = layer.mixer, getattr(layer, "feed_forward", None)
-        if not isinstance(attention, Attention) or attention.output_gate or not isinstance(mlp, MLP):
+        if not isinstance(attention, Attention) or attention.output_gate or attention.window:
+            return None
+        if not isinstance(mlp, MLP) or mlp.activation != "silu" or getattr(layer, "output_norms", False):
             return None
         if attention.kv_layer != index:
             return None

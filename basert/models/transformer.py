@@ -21,8 +21,11 @@ class Layer(Protocol):
 class DecoderModel:
     """h = embed(tokens); h = layer_i(h) for each layer; logits = head(norm(h)) at the requested rows."""
 
-    def __init__(self, weights: Weights, config: DecoderConfig, layers: list[Layer]):
+    def __init__(self, weights: Weights, config: DecoderConfig, layers: list[Layer],
+                 embed_scale: float | None = None):
+        """embed_scale: a factor the embeddings are multiplied by (in float32) before the first layer."""
         self.config = config
+        self.embed_scale = None if embed_scale is None else np.float32(embed_scale)
         self.hidden = config.hidden_size
         self.vocab = config.vocab_size
         self.embed = weights.matrix("embed_tokens.weight", self.vocab, self.hidden)
@@ -49,6 +52,8 @@ class DecoderModel:
         t = batch.n_tokens
         x = ws.get("hidden", t, self.hidden)
         mm.embed_rows(self.embed, batch.tokens, x)
+        if self.embed_scale is not None:
+            np.multiply(x, self.embed_scale, out=x)
         n = logit_rows.shape[0]
         if self.graph is not None and head and t <= self.graph.max_tokens:
             rows = ws.get("graph.logit_rows", n, dtype=np.int32)

@@ -223,16 +223,17 @@ def sse(data: dict | str) -> bytes:
 
 
 def completion_prompts(model: ServedModel, body: CompletionRequest) -> list[list[int]]:
-    """The prompt(s) of a /v1/completions request as token lists."""
+    """The prompt(s) of a /v1/completions request as token lists: text starts with the model's BOS token where its
+    tokenizer adds one (as llama.cpp's server and transformers do), token ids are taken as they are."""
     prompt = body.prompt
     if isinstance(prompt, str):
-        return [model.require_tokenizer().encode(prompt)]
+        return [model.require_tokenizer().encode(prompt, add_special=True)]
     if not prompt:
         raise invalid("prompt must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
-        return [model.require_tokenizer().encode(p) for p in prompt]
+        return [model.require_tokenizer().encode(p, add_special=True) for p in prompt]
     return [list(p) for p in prompt]
 
 
