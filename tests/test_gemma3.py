@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
+from basert.convert.gguf_reader import read_gguf
 from basert.engine import EngineOptions, build_engine
 from basert.engine.runner import ForwardRequest, ModelRunner
 from basert.engine.sampler import SamplingParams
@@ -64,7 +65,7 @@ def assert_tensors_dequantize_as_gguf_py_does(gemma3_base: Path, gemma3_gguf: Pa
     equals gguf-py's de-quantization of the GGUF's, bit for bit."""
     from basert.convert.gguf_source import canonical_name
 
-    reader = gguf.GGUFReader(gemma3_gguf)
+    reader = read_gguf(gemma3_gguf)
     seen_types: set[str] = set()
     with BaseFile(gemma3_base) as base:
         assert len(base.tensors) == len(reader.tensors) == 236

@@ -237,17 +237,12 @@ def test_segment_is_a_multiple_of_the_cache_block() -> None:
     assert SEG > 0 and SEG % BLOCK == 0
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("n", [1, 15, 16, 17, SEG - 1, SEG, SEG + 1, 3 * SEG + 5, 4096])
-@pytest.mark.parametrize("H,n_kv,d", [(9, 3, 64), (4, 1, 20), (20, 1, 16)])
-def test_contexts_around_the_segment_length_match_reference(n: int, H: int, n_kv: int, d: int, dtype: type) -> None:
-    """Three sequences in one call: the last tokens of an n-position prompt, a decode at n, one at n // 2 + 1."""
-    rng = np.random.default_rng(n * 31 + H + d)
-    shapes = [(max(0, n - 3), min(n, 3)), (n - 1, 1), (n // 2, 1)]
-    per_seq = -(-n // BLOCK)
-    n_blocks = 3 * per_seq + 2
-    blocks = rng.permutation(n_blocks).astype(np.int32)
-    tables = np.stack([blocks[i * per_seq: (i + 1) * per_seq] for i in range(3)])
+def check_batch_against_reference(rng: np.random.Generator, shapes: list[tuple[int, int]], H: int, n_kv: int, d: int,
+                                  dtype: type, scale: float, window: int = 0) -> None:
+    """Sequences of (cached, new) positions in one attention_batch call (2 threads), each against the reference."""
+    per_seq = -(-max(c + n for c, n in shapes) // BLOCK)
+    n_blocks = len(shapes) * per_seq + 2
+    tables = rng.permutation(n_blocks)[: len(shapes) * per_seq].astype(np.int32).reshape(len(shapes), per_seq)
     k_cache, v_cache = new_cache(n_blocks, n_kv, d, dtype)
     seqs = []
     for i, (cached, n_new) in enumerate(shapes):
@@ -259,12 +254,22 @@ def test_contexts_around_the_segment_length_match_reference(n: int, H: int, n_kv
     rows = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
     starts = np.array([cached for cached, _ in shapes], dtype=np.int32)
     out = np.zeros_like(q)
-    scale = d**-0.5
-    attn.attention_batch(q, k_cache, v_cache, tables, rows, lengths, starts, scale, out)
+    with threads(2):
+        attn.attention_batch(q, k_cache, v_cache, tables, rows, lengths, starts, scale, out, window)
     for i, (qi, k, v) in enumerate(seqs):
-        expected = attention_reference(qi, k.astype(dtype), v.astype(dtype), int(starts[i]), scale)
-        got = out[rows[i]: rows[i] + lengths[i]]
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=f"sequence {i}")
+        expected = attention_reference(qi, k.astype(dtype), v.astype(dtype), int(starts[i]), scale, window)
+        np.testing.assert_allclose(out[rows[i]: rows[i] + lengths[i]], expected, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"sequence {i}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, SEG - 1, SEG, SEG + 1, 3 * SEG + 5, 4096])
+@pytest.mark.parametrize("H,n_kv,d", [(9, 3, 64), (4, 1, 20), (20, 1, 16)])
+def test_contexts_around_the_segment_length_match_reference(n: int, H: int, n_kv: int, d: int, dtype: type) -> None:
+    """Three sequences in one call: the last tokens of an n-position prompt, a decode at n, one at n // 2 + 1."""
+    rng = np.random.default_rng(n * 31 + H + d)
+    check_batch_against_reference(rng, [(max(0, n - 3), min(n, 3)), (n - 1, 1), (n // 2, 1)], H, n_kv, d, dtype,
+                                  d**-0.5)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -378,29 +383,8 @@ def test_segment_partials_merged_in_order_give_the_output(n: int, dtype: type) -
 def test_sliding_window_matches_reference(window: int, dtype: type) -> None:
     """Three sequences in one call (a prefill chunk crossing several segments, a deep decode, a short one):
     each token sees only the last `window` positions, itself included."""
-    rng = np.random.default_rng(window)
-    H, n_kv, d = 4, 1, 32
-    shapes = [(300, 500), (1400, 1), (3, 1)]   # (cached, new)
-    per_seq = -(-max(c + n for c, n in shapes) // BLOCK)
-    n_blocks = len(shapes) * per_seq
-    tables = rng.permutation(n_blocks).astype(np.int32).reshape(len(shapes), per_seq)
-    k_cache, v_cache = new_cache(n_blocks, n_kv, d, dtype)
-    seqs = []
-    for i, (cached, n_new) in enumerate(shapes):
-        k, v = (f32(rng.standard_normal((cached + n_new, n_kv, d)) * s) for s in (2, 1))
-        attn.kv_write(k_cache, v_cache, k, v, tables[i], 0)
-        seqs.append((f32(rng.standard_normal((n_new, H, d))), k, v))
-    q = np.concatenate([s[0] for s in seqs])
-    lengths = np.array([n for _, n in shapes], dtype=np.int32)
-    rows = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
-    starts = np.array([c for c, _ in shapes], dtype=np.int32)
-    out = np.zeros_like(q)
-    with threads(2):
-        attn.attention_batch(q, k_cache, v_cache, tables, rows, lengths, starts, 0.2, out, window)
-    for i, (qi, k, v) in enumerate(seqs):
-        expected = attention_reference(qi, k.astype(dtype), v.astype(dtype), int(starts[i]), 0.2, window)
-        np.testing.assert_allclose(out[rows[i]: rows[i] + lengths[i]], expected, rtol=1e-5, atol=1e-6,
-                                   err_msg=f"sequence {i}")
+    check_batch_against_reference(np.random.default_rng(window), [(300, 500), (1400, 1), (3, 1)], 4, 1, 32, dtype,
+                                  0.2, window)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

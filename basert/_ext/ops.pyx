@@ -14,8 +14,8 @@ cdef extern from "simd.h" nogil:
     void basert_rmsnorm_row(const float *x, const float *w, float eps, float *out, Py_ssize_t n)
 
 cdef extern from "ops.h" nogil:
-    void basert_silu_mul_row(const float *gate, const float *up, float *out, Py_ssize_t n)
-    void basert_gelu_tanh_mul_row(const float *gate, const float *up, float *out, Py_ssize_t n)
+    void basert_silu_mul_row(const float *gate, const float *up, float *out, Py_ssize_t n) noexcept
+    void basert_gelu_tanh_mul_row(const float *gate, const float *up, float *out, Py_ssize_t n) noexcept
     void basert_sigmoid_mul_row(float *x, const float *gate, Py_ssize_t n)
     void basert_gated_rmsnorm_row(const float *x, const float *z, const float *w, float eps, float *out,
                                   Py_ssize_t n)
@@ -61,8 +61,11 @@ def gated_rmsnorm(const float[:, :, ::1] x, const float[:, :, ::1] z, const floa
             basert_gated_rmsnorm_row(xp + i * d, zp + i * d, &w[0], eps, op + i * d, d)
 
 
-def silu_mul(const float[:, ::1] gate, const float[:, ::1] up, float[:, ::1] out):
-    """out = silu(gate) * up (SwiGLU); out may be gate."""
+ctypedef void (*gated_row)(const float *gate, const float *up, float *out, Py_ssize_t n) noexcept nogil
+
+
+cdef _gated_rows(const float[:, ::1] gate, const float[:, ::1] up, float[:, ::1] out, gated_row row):
+    """out[i] = act(gate[i]) * up[i] for every row, rows in parallel."""
     cdef Py_ssize_t m = gate.shape[0], n = gate.shape[1], i
     if not _same_shape(&gate.shape[0], &up.shape[0], 2) or not _same_shape(&gate.shape[0], &out.shape[0], 2):
         raise ValueError("gate, up and out must have the same shape")
@@ -70,19 +73,17 @@ def silu_mul(const float[:, ::1] gate, const float[:, ::1] up, float[:, ::1] out
         return
     with nogil:
         for i in prange(m, schedule="static", num_threads=basert_threads_for(m * n)):
-            basert_silu_mul_row(&gate[i, 0], &up[i, 0], &out[i, 0], n)
+            row(&gate[i, 0], &up[i, 0], &out[i, 0], n)
+
+
+def silu_mul(const float[:, ::1] gate, const float[:, ::1] up, float[:, ::1] out):
+    """out = silu(gate) * up (SwiGLU); out may be gate."""
+    _gated_rows(gate, up, out, basert_silu_mul_row)
 
 
 def gelu_tanh_mul(const float[:, ::1] gate, const float[:, ::1] up, float[:, ::1] out):
     """out = gelu_tanh(gate) * up (GeGLU, GeLU's tanh approximation); out may be gate."""
-    cdef Py_ssize_t m = gate.shape[0], n = gate.shape[1], i
-    if not _same_shape(&gate.shape[0], &up.shape[0], 2) or not _same_shape(&gate.shape[0], &out.shape[0], 2):
-        raise ValueError("gate, up and out must have the same shape")
-    if m == 0 or n == 0:
-        return
-    with nogil:
-        for i in prange(m, schedule="static", num_threads=basert_threads_for(m * n)):
-            basert_gelu_tanh_mul_row(&gate[i, 0], &up[i, 0], &out[i, 0], n)
+    _gated_rows(gate, up, out, basert_gelu_tanh_mul_row)
 
 
 def sigmoid_mul(float[:, ::1] x, const float[:, ::1] gate):

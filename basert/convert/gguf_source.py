@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 
 from basert.convert.config import finish_config, gguf_arch
+from basert.convert.gguf_reader import read_gguf
 from basert.convert.source import (
     FLAG_EXPERT_WEIGHT,
     FLAG_SSM_A_MATRIX,
@@ -185,7 +186,7 @@ def native_quantized(tensor: gguf.ReaderTensor) -> QuantizedTensor:
 def open_gguf(path: Path, tokenizer_object: dict | None) -> SourceModel:
     """Read a GGUF file's metadata and tensors (loaded lazily from the mmap)."""
     try:
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path)
     except (ValueError, OSError) as exc:
         raise ConvertError(f"{path}: not a readable GGUF file ({exc})") from exc
     arch_name = field_value(reader, "general.architecture")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import gguf
 
+from basert.convert.gguf_reader import read_gguf
+
 TOKENIZER_KEY_PREFIX = "tokenizer."
 
 
@@ -44,7 +46,7 @@ def tokenizer_object_from_hf(model_dir: Path) -> dict:
 def tokenizer_object_from_path(path: Path) -> dict:
     """The tokenizer object of a `.gguf` file, a Hugging Face directory, or its `tokenizer.json`."""
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return tokenizer_object_from_gguf(gguf.GGUFReader(path))
+        return tokenizer_object_from_gguf(read_gguf(path))
     if path.is_dir():
         return tokenizer_object_from_hf(path)
     if path.is_file() and path.name == "tokenizer.json":
