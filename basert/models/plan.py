@@ -3,8 +3,8 @@
 The Python blocks stay the description of the model: this module only reads their weights and settings. A
 model qualifies when every layer is a pre-norm attention block (no output gate, no sliding window) with a dense
 SwiGLU MLP and the embeddings are used as they are — Llama/SmolLM2 and dense Qwen3; others (hybrids, MoE, Gemma 3)
-keep the per-kernel path. The graph computes the same
-bits as that path, so which one runs a step never shows in the results.
+keep the per-kernel path. The graph computes the same bits as that path, so which one runs a step never shows in
+the results.
 """
 
 from __future__ import annotations
