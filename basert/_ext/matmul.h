@@ -587,14 +587,15 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
 #define BM_STREAM_ROWS 1
 #endif
 
-/* Weight rows per streaming block for a single activation row: four, but two on avx2, whose 16 registers
- * cannot hold four rows' accumulator pairs and scales beside the codes being converted (measured on a
- * 1536 x 576 weight, one thread, Zen 3: q8 221 -> 127 us, q4 188 -> 134 us; the outputs are the same bits,
- * a row's sum never depends on the rows streamed with it). */
+/* Weight rows per streaming block for a single activation row of q4/q8 weights: four, but two on avx2, whose 16
+ * registers cannot hold four rows' accumulator pairs and scales beside the codes being converted (measured on a
+ * 1536 x 576 weight, one thread, Zen 3: q8 221 -> 127 us, q4 188 -> 134 us; GGUF blocks, de-quantized through a
+ * buffer, keep four: Q5_0 2048 x 1024 took 460 us with four, 501 with two). The outputs are the same bits: a
+ * row's sum never depends on the rows streamed with it. */
 #if defined(BASERT_SIMD) && !defined(BASERT_AVX512)
-#define BM_STREAM_ROWS_M1 2
+#define BM_STREAM_ROWS_M1_QUANT 2
 #else
-#define BM_STREAM_ROWS_M1 4
+#define BM_STREAM_ROWS_M1_QUANT 4
 #endif
 
 #if defined(BASERT_AVX512)
@@ -835,16 +836,18 @@ BASERT_ALWAYS_INLINE void bm_stream_quads(const int R, const int kind, const int
 BASERT_ALWAYS_INLINE void bm_stream_group(const int kind, const int sym, const ptrdiff_t GS, const basert_weight *w, const float *x,
                                           ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     ptrdiff_t row = r0;
-    /* Four (avx2: two) weight rows for one activation row, two (avx512) or one for several. */
+    /* Four weight rows for one activation row (two of q4/q8 on avx2), two (avx512) or one for several. */
     if (m > 3) {
         for (; row + BM_STREAM_ROWS <= r1; row += BM_STREAM_ROWS)
             bm_stream_quads(BM_STREAM_ROWS, kind, sym, GS, w, row, x, ldx, m, y, ldy);
         for (; row < r1; row++) bm_stream_quads(1, kind, sym, GS, w, row, x, ldx, m, y, ldy);
         return;
     }
-    if (m == 1)
-        for (; row + BM_STREAM_ROWS_M1 <= r1; row += BM_STREAM_ROWS_M1)
-            bm_stream_block(BM_STREAM_ROWS_M1, 1, kind, sym, GS, w, row, x, ldx, y, ldy);
+    if (m == 1 && (kind == BASERT_Q4 || kind == BASERT_Q8))
+        for (; row + BM_STREAM_ROWS_M1_QUANT <= r1; row += BM_STREAM_ROWS_M1_QUANT)
+            bm_stream_block(BM_STREAM_ROWS_M1_QUANT, 1, kind, sym, GS, w, row, x, ldx, y, ldy);
+    else if (m == 1)
+        for (; row + 4 <= r1; row += 4) bm_stream_block(4, 1, kind, sym, GS, w, row, x, ldx, y, ldy);
     else
         for (; row + 2 <= r1; row += 2) bm_stream_rows(2, kind, sym, GS, w, row, x, ldx, m, y, ldy);
     for (; row < r1; row++) bm_stream_rows(1, kind, sym, GS, w, row, x, ldx, m, y, ldy);
