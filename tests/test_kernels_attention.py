@@ -448,3 +448,11 @@ def test_windowed_segment_partials_merge_from_the_first_segment_of_the_window(n:
     assert np.array_equal(as_bits(merged), as_bits(out[0, 0]))
     np.testing.assert_allclose(merged, attention_reference(q[:1, None, :], k, v, n - 1, 0.2, window)[0, 0],
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_negative_window_is_refused() -> None:
+    q = np.zeros((1, 1, 16), dtype=np.float32)
+    k_cache, v_cache = new_cache(1, 1, 16, np.float32)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        attn.attention_batch(q, k_cache, v_cache, np.zeros((1, 1), dtype=np.int32), np.zeros(1, dtype=np.int32),
+                             np.ones(1, dtype=np.int32), np.zeros(1, dtype=np.int32), 0.25, np.empty_like(q), -1)
