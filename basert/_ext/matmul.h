@@ -397,76 +397,126 @@ BASERT_ALWAYS_INLINE void bm_weights32(const int kind, const int sym, const uint
     *w1 = bm_dequant(sym, c1, scale, bias);
 }
 
-/* One GGUF block to floats: the values of basert_dequant_block (the same products and differences, 16 lanes
- * at a time) for the types K-quant mixes use most; the others, and the portable variant, run it as it is. */
+/* GGUF blocks in registers, 16 values at a time, for the types K-quant mixes use most (Q4_K, Q5_K, Q6_K,
+ * Q5_0, Q5_1): bm_block_open reads a block's scales into a bm_gguf_block, bm_block_values16(type, blk, j) gives
+ * its values 16j .. 16j+15 (the same products and differences as basert_dequant_block, so the same values).
+ * The streaming kernel sums them without storing them; bm_dequant_block stores them. The other types, and
+ * the portable variant, run basert_dequant_block as it is. */
 #if defined(BASERT_SIMD)
+BASERT_ALWAYS_INLINE int bm_block_in_registers(int type) {
+    return type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K || type == BASERT_GGML_Q6_K || type == BASERT_GGML_Q5_0 ||
+           type == BASERT_GGML_Q5_1;
+}
+
+typedef struct {
+    const uint8_t *b;
+    float d, m;          /* Q5_0 / Q5_1: d and m */
+    __m128i high[2];     /* Q5_0 / Q5_1: per element byte, the fifth bit as 0x10 (Q5_1), or what turns the low
+                            nibble into q - 16 (Q5_0: 0 where the fifth bit is set, else 0xF0, which is -16) */
+    float ds[16], dm[8]; /* Q4_K / Q5_K: d * scale, dmin * min per sub-block of 32; Q6_K: d * scale per 16 */
+} bm_gguf_block;
+
+BASERT_ALWAYS_INLINE float bm_f16_at(const uint8_t *p) { return bm_f16_f32(bm_load_u16(p)); }
+
+BASERT_ALWAYS_INLINE void bm_block_open(const int type, const uint8_t *b, bm_gguf_block *blk) {
+    blk->b = b;
+    if (type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K) {
+        /* The eight 6-bit scales and mins of basert_k_scale_min, unpacked four at a time in 32-bit words. */
+        uint32_t sc[3], packed[4];
+        memcpy(sc, b + 4, sizeof sc);
+        packed[0] = sc[0] & 0x3f3f3f3fu;                                            /* scales 0-3 */
+        packed[1] = (sc[2] & 0x0f0f0f0fu) | (((sc[0] >> 6) & 0x03030303u) << 4);   /* scales 4-7 */
+        packed[2] = sc[1] & 0x3f3f3f3fu;                                            /* mins 0-3 */
+        packed[3] = ((sc[2] >> 4) & 0x0f0f0f0fu) | (((sc[1] >> 6) & 0x03030303u) << 4); /* mins 4-7 */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)packed);
+        const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v)));
+        _mm256_storeu_ps(blk->ds, _mm256_mul_ps(_mm256_set1_ps(bm_f16_at(b)), scales));
+        _mm256_storeu_ps(blk->dm, _mm256_mul_ps(_mm256_set1_ps(bm_f16_at(b + 2)), mins));
+    } else if (type == BASERT_GGML_Q6_K) {
+        const int8_t *scales = (const int8_t *)(const void *)(b + 192);
+        const float d = bm_f16_at(b + 208);
+        for (int j = 0; j < 16; j++) blk->ds[j] = d * (float)scales[j];
+    } else {
+        const int with_min = type == BASERT_GGML_Q5_1;
+        const uint8_t *qh = b + (with_min ? 4 : 2);
+        blk->d = bm_f16_at(b);
+        blk->m = with_min ? bm_f16_at(b + 2) : 0.0f;
+        uint32_t bits;
+        memcpy(&bits, qh, sizeof bits);
+        /* Byte e of the 32 gets qh's byte e / 8, then its bit e % 8. */
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+            _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i mask = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
+        const __m256i high = with_min ? _mm256_and_si256(set, _mm256_set1_epi8(16)) : _mm256_andnot_si256(set, _mm256_set1_epi8((char)0xF0));
+        blk->high[0] = _mm256_castsi256_si128(high);
+        blk->high[1] = _mm256_extracti128_si256(high, 1);
+    }
+}
+
 /* Bytes p[0..16) shifted right by `shift` bits, masked to `mask`. */
 BASERT_ALWAYS_INLINE __m128i bm_bits16(const uint8_t *p, int shift, int mask) {
     const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)p);
     return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm_set1_epi8((char)mask));
 }
 
-/* Q4_K / Q5_K (see blocks.h): sub-block s, half h, codes from the nibbles (and the qh bit) of 16 bytes. */
-BASERT_ALWAYS_INLINE void bm_dequant_q45_k(const uint8_t *b, const int five, float *dst) {
-    const float d = basert_block_f16(b), dmin = basert_block_f16(b + 2);
-    const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
-    for (int s = 0; s < 8; s++) {
-        int scale, min;
-        basert_k_scale_min(sc, s, &scale, &min);
-        const bm_v ds = bm_set1(d * (float)scale), dm = bm_set1(dmin * (float)min);
-        for (int h = 0; h < 2; h++) {
-            __m128i q = bm_bits16(qs + 32 * (s >> 1) + 16 * h, 4 * (s & 1), 15);
-            if (five) q = _mm_or_si128(q, _mm_slli_epi16(bm_bits16(qh + 16 * h, s, 1), 4));
-            bm_store(dst + 32 * s + 16 * h, bm_sub(bm_mul(ds, bm_bytes16(q, 0)), dm));
-        }
-    }
-}
-
-/* Q6_K: 16 values at a time (one scale each). */
-BASERT_ALWAYS_INLINE void bm_dequant_q6_k(const uint8_t *b, float *dst) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *scales = (const int8_t *)(const void *)(b + 192);
-    const float d = basert_block_f16(b + 208);
-    for (int e = 0; e < 256; e += 16) {
-        const int h = e >> 7, u = (e >> 5) & 3, j = e & 31;
-        const __m128i low = bm_bits16(ql + 64 * h + 32 * (u & 1) + j, 4 * (u >> 1), 15);
-        const __m128i high = _mm_slli_epi16(bm_bits16(qh + 32 * h + j, 2 * u, 3), 4);
-        const __m128i q = _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
-        bm_store(dst + e, bm_mul(bm_set1(d * (float)scales[e >> 4]), bm_bytes16(q, 1)));
-    }
-}
-
-/* Q5_0 / Q5_1: the fifth bits of 16 elements (bits 16h .. 16h+15 of qh) as 0x10 bytes. */
-BASERT_ALWAYS_INLINE __m128i bm_q5_high16(uint32_t high, int h) {
-    const __m128i bits = _mm_set1_epi16((short)(high >> (16 * h)));
-    const __m128i spread = _mm_shuffle_epi8(bits, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-    const __m128i mask = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, mask), mask), _mm_set1_epi8(16));
-}
-BASERT_ALWAYS_INLINE void bm_dequant_q5(const uint8_t *b, const int with_min, float *dst) {
-    const float d = basert_block_f16(b), m = with_min ? basert_block_f16(b + 2) : 0.0f;
-    const uint8_t *qh = b + (with_min ? 4 : 2), *qs = qh + 4;
-    const uint32_t high = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) | ((uint32_t)qh[3] << 24);
-    for (int h = 0; h < 2; h++) {
-        __m128i q = _mm_or_si128(bm_bits16(qs, 4 * h, 15), bm_q5_high16(high, h));
-        if (with_min) {
-            bm_store(dst + 16 * h, bm_add(bm_mul(bm_set1(d), bm_bytes16(q, 0)), bm_set1(m)));
+BASERT_ALWAYS_INLINE bm_v bm_block_values16(const int type, const bm_gguf_block *blk, const int j) {
+    const uint8_t *b = blk->b;
+#if !defined(BASERT_AVX512)
+    if (type == BASERT_GGML_Q4_K) {
+        /* Sub-block s = j / 2, half h: eight nibbles per lane group, widened straight from memory. */
+        const int s = j >> 1, h = j & 1;
+        const uint8_t *q = b + 16 + 32 * (s >> 1) + 16 * h;
+        __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)q));
+        __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(q + 8)));
+        if (s & 1) {
+            lo = _mm256_srli_epi32(lo, 4);
+            hi = _mm256_srli_epi32(hi, 4);
         } else {
-            q = _mm_sub_epi8(q, _mm_set1_epi8(16));
-            bm_store(dst + 16 * h, bm_mul(bm_set1(d), bm_bytes16(q, 1)));
+            lo = _mm256_and_si256(lo, _mm256_set1_epi32(15));
+            hi = _mm256_and_si256(hi, _mm256_set1_epi32(15));
         }
+        const __m256 ds = _mm256_set1_ps(blk->ds[s]), dm = _mm256_set1_ps(blk->dm[s]);
+        return (bm_v){_mm256_sub_ps(_mm256_mul_ps(ds, _mm256_cvtepi32_ps(lo)), dm),
+                      _mm256_sub_ps(_mm256_mul_ps(ds, _mm256_cvtepi32_ps(hi)), dm)};
     }
+#endif
+    if (type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K) {
+        /* Sub-block s = j / 2, half h: codes from the nibbles (and the qh bit) of 16 bytes. */
+        const int five = type == BASERT_GGML_Q5_K, s = j >> 1, h = j & 1;
+        __m128i q = bm_bits16(b + (five ? 48 : 16) + 32 * (s >> 1) + 16 * h, 4 * (s & 1), 15);
+        if (five) q = _mm_or_si128(q, _mm_slli_epi16(bm_bits16(b + 16 + 16 * h, s, 1), 4));
+        return bm_sub(bm_mul(bm_set1(blk->ds[s]), bm_bytes16(q, 0)), bm_set1(blk->dm[s]));
+    }
+    if (type == BASERT_GGML_Q6_K) {
+        const int e = 16 * j, h = e >> 7, u = (e >> 5) & 3, i = e & 31;
+        const __m128i low = bm_bits16(b + 64 * h + 32 * (u & 1) + i, 4 * (u >> 1), 15);
+        const __m128i high = _mm_slli_epi16(bm_bits16(b + 128 + 32 * h + i, 2 * u, 3), 4);
+        const __m128i q = _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
+        return bm_mul(bm_set1(blk->ds[j]), bm_bytes16(q, 1));
+    }
+    const int with_min = type == BASERT_GGML_Q5_1;
+    const __m128i q = _mm_or_si128(bm_bits16(b + (with_min ? 8 : 6), 4 * j, 15), blk->high[j]);
+    if (with_min) return bm_add(bm_mul(bm_set1(blk->d), bm_bytes16(q, 0)), bm_set1(blk->m));
+    return bm_mul(bm_set1(blk->d), bm_bytes16(q, 1));
+}
+
+BASERT_ALWAYS_INLINE void bm_dequant_block_as(const int type, const uint8_t *block, float *dst) {
+    bm_gguf_block blk;
+    bm_block_open(type, block, &blk);
+    for (int j = 0; j < basert_block_values(type) / 16; j++) bm_store(dst + 16 * j, bm_block_values16(type, &blk, j));
 }
 #endif
 
 BASERT_ALWAYS_INLINE void bm_dequant_block(int type, const uint8_t *block, float *dst) {
 #if defined(BASERT_SIMD)
     switch (type) {
-    case BASERT_GGML_Q4_K: bm_dequant_q45_k(block, 0, dst); return;
-    case BASERT_GGML_Q5_K: bm_dequant_q45_k(block, 1, dst); return;
-    case BASERT_GGML_Q6_K: bm_dequant_q6_k(block, dst); return;
-    case BASERT_GGML_Q5_0: bm_dequant_q5(block, 0, dst); return;
-    case BASERT_GGML_Q5_1: bm_dequant_q5(block, 1, dst); return;
+    case BASERT_GGML_Q4_K: bm_dequant_block_as(BASERT_GGML_Q4_K, block, dst); return;
+    case BASERT_GGML_Q5_K: bm_dequant_block_as(BASERT_GGML_Q5_K, block, dst); return;
+    case BASERT_GGML_Q6_K: bm_dequant_block_as(BASERT_GGML_Q6_K, block, dst); return;
+    case BASERT_GGML_Q5_0: bm_dequant_block_as(BASERT_GGML_Q5_0, block, dst); return;
+    case BASERT_GGML_Q5_1: bm_dequant_block_as(BASERT_GGML_Q5_1, block, dst); return;
     default: break;
     }
 #endif
@@ -589,14 +639,24 @@ static void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst
 
 /* Weight rows per streaming block for a single activation row of q4/q8 weights: four, but two on avx2, whose 16
  * registers cannot hold four rows' accumulator pairs and scales beside the codes being converted (measured on a
- * 1536 x 576 weight, one thread, Zen 3: q8 221 -> 127 us, q4 188 -> 134 us; GGUF blocks, de-quantized through a
- * buffer, keep four: Q5_0 2048 x 1024 took 460 us with four, 501 with two). The outputs are the same bits: a
+ * 1536 x 576 weight, one thread, Zen 3: q8 221 -> 127 us, q4 188 -> 134 us). The outputs are the same bits: a
  * row's sum never depends on the rows streamed with it. */
 #if defined(BASERT_SIMD) && !defined(BASERT_AVX512)
 #define BM_STREAM_ROWS_M1_QUANT 2
 #else
 #define BM_STREAM_ROWS_M1_QUANT 4
 #endif
+
+/* The same for GGUF blocks: two on avx2 for the K-quants (512 x 1024, one thread, Zen 3, hot: Q4_K 62.6 -> 53.9
+ * us, Q6_K 93.0 -> 83.3), four for Q5_0/Q5_1, whose small blocks keep fewer values live (84.3 -> 72.9 us). */
+static inline int bm_blocks_m1_rows(int type) {
+#if defined(BASERT_SIMD) && !defined(BASERT_AVX512)
+    return type == BASERT_GGML_Q5_0 || type == BASERT_GGML_Q5_1 ? 4 : 2;
+#else
+    (void)type;
+    return 4;
+#endif
+}
 
 #if defined(BASERT_AVX512)
 /* Q4_K rows streamed on avx512 with the q4 lookup: a sub-block of 32 has 16 possible values, (d * scale) * q -
@@ -676,6 +736,29 @@ BASERT_ALWAYS_INLINE void bm_stream_q5(const int R, const int C, const int with_
 }
 #endif
 
+#if defined(BASERT_SIMD)
+/* R rows of GGUF blocks of a type bm_block_values16 takes, summed in registers: per block, each row's scales
+ * are read once, then 16 values at a time feed the C accumulators of that row. */
+BASERT_ALWAYS_INLINE void bm_stream_blocks(const int R, const int C, const int type, const uint8_t *const *p, ptrdiff_t k,
+                                           const float *x, ptrdiff_t ldx, bm_v acc[4][8]) {
+    const ptrdiff_t values = basert_block_values(type), bytes = basert_block_bytes(type);
+    for (ptrdiff_t b = 0; b < k / values; b++) {
+        bm_gguf_block blk[4];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *block = p[r] + b * bytes;
+            for (ptrdiff_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + BASERT_PREFETCH_BYTES + line);
+            bm_block_open(type, block, &blk[r]);
+        }
+#pragma GCC unroll 16
+        for (int j = 0; j < values / 16; j++)
+            for (int r = 0; r < R; r++) {
+                const bm_v wv = bm_block_values16(type, &blk[r], j);
+                for (int c = 0; c < C; c++) acc[r][c] = bm_fma(bm_load(x + c * ldx + b * values + 16 * j), wv, acc[r][c]);
+            }
+    }
+}
+#endif
+
 /* y[c * ldy + row + r] for R (1..4) consecutive weight rows and C (1..8; R * C <= 8, 16 on avx512)
  * activation rows x + c * ldx: each de-quantized weight vector feeds C accumulators.
  * The R * C accumulators are independent, which hides the FMA latency. GS: the group size as a
@@ -703,8 +786,19 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
         bm_stream_q5(R, C, w->ggml_type == BASERT_GGML_Q5_1, p, k, x, ldx, acc);
     } else
 #endif
+#if defined(BASERT_SIMD)
+    if (kind == BASERT_BLOCKS && bm_block_in_registers(w->ggml_type)) {
+        switch (w->ggml_type) {
+        case BASERT_GGML_Q4_K: bm_stream_blocks(R, C, BASERT_GGML_Q4_K, p, k, x, ldx, acc); break;
+        case BASERT_GGML_Q5_K: bm_stream_blocks(R, C, BASERT_GGML_Q5_K, p, k, x, ldx, acc); break;
+        case BASERT_GGML_Q6_K: bm_stream_blocks(R, C, BASERT_GGML_Q6_K, p, k, x, ldx, acc); break;
+        case BASERT_GGML_Q5_0: bm_stream_blocks(R, C, BASERT_GGML_Q5_0, p, k, x, ldx, acc); break;
+        default: bm_stream_blocks(R, C, BASERT_GGML_Q5_1, p, k, x, ldx, acc); break;
+        }
+    } else
+#endif
     if (kind == BASERT_BLOCKS) {
-        /* GGUF blocks: a block of each of the R rows de-quantized into a buffer (the exact values of
+        /* Other GGUF blocks: a block of each of the R rows de-quantized into a buffer (the exact values of
          * basert_dequant_row), then summed as dense weights. */
         const ptrdiff_t values = w->group_size, bytes = basert_block_bytes(w->ggml_type);
         float buf[4][256] __attribute__((aligned(64)));
@@ -843,7 +937,7 @@ BASERT_ALWAYS_INLINE void bm_stream_group(const int kind, const int sym, const p
         for (; row < r1; row++) bm_stream_quads(1, kind, sym, GS, w, row, x, ldx, m, y, ldy);
         return;
     }
-    if (m == 1 && (kind == BASERT_Q4 || kind == BASERT_Q8))
+    if (m == 1 && (kind == BASERT_Q4 || kind == BASERT_Q8 || (kind == BASERT_BLOCKS && bm_blocks_m1_rows(w->ggml_type) == 2)))
         for (; row + BM_STREAM_ROWS_M1_QUANT <= r1; row += BM_STREAM_ROWS_M1_QUANT)
             bm_stream_block(BM_STREAM_ROWS_M1_QUANT, 1, kind, sym, GS, w, row, x, ldx, y, ldy);
     else if (m == 1)
