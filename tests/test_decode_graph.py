@@ -12,22 +12,23 @@ from basert.engine.runner import ForwardRequest, ModelRunner
 from basert.models.plan import MAX_GRAPH_TOKENS
 
 
-def open_runner(path: Path, kv_dtype: type, threads: int, graph: bool) -> ModelRunner:
-    runner = ModelRunner(path, max_context=320, max_sequences=3, kv_dtype=kv_dtype, threads=threads)
+def open_runner(path: Path, kv_dtype: type, threads: int, graph: bool, max_context: int = 320) -> ModelRunner:
+    runner = ModelRunner(path, max_context=max_context, max_sequences=3, kv_dtype=kv_dtype, threads=threads)
     if not graph:
         runner.model.graph = None
     return runner
 
 
-def script(runner: ModelRunner) -> list[np.ndarray]:
-    """Logits of a fixed mix of steps: prefills longer than the graph takes, then batched decode steps of
-    three sequences, a batch of one decode and one 10-token chunk, and a chunk of exactly MAX_GRAPH_TOKENS
-    whose rows lie on both sides of an attention segment boundary."""
+def script(runner: ModelRunner, lengths: tuple[int, int, int] = (40, 3, 250)) -> list[np.ndarray]:
+    """Logits of a fixed mix of steps: prefills of `lengths` (the graph takes the short ones), then batched
+    decode steps of three sequences, a batch of one decode and one 10-token chunk, and a chunk of exactly
+    MAX_GRAPH_TOKENS (after the default lengths its rows lie on both sides of an attention segment boundary,
+    at 256 positions)."""
     rng = np.random.default_rng(5)
     vocab = runner.vocab_size
     seqs = [runner.new_sequence() for _ in range(3)]
     out = []
-    for seq, n in zip(seqs, (40, 3, 250)):   # the third crosses an attention segment (256 positions)
+    for seq, n in zip(seqs, lengths):
         out.append(runner.forward([ForwardRequest(seq, rng.integers(0, vocab, n).tolist(), logits="all")])[0].copy())
     for _ in range(4):
         steps = [ForwardRequest(seq, [int(rng.integers(0, vocab))]) for seq in seqs]
@@ -57,6 +58,21 @@ def test_graph_steps_equal_the_per_kernel_path(name: str, kv_dtype: type, smollm
         runner = open_runner(path, kv_dtype, threads=threads, graph=True)
         assert runner.model.graph is not None
         got = script(runner)
+        runner.close()
+        assert same_bits(got, reference), f"{threads} threads"
+
+
+def test_gemma3_graph_steps_beyond_the_sliding_window_equal_the_per_kernel_path(gemma3_base: Path):
+    """Gemma 3 in the graph: block outputs normed before the residual add, GeGLU, per-layer RoPE bases, and
+    sliding-window layers at 770+ positions, where the window (512) no longer reaches the first segment."""
+    lengths = (40, 3, 770)
+    reference_runner = open_runner(gemma3_base, np.float16, threads=2, graph=False, max_context=832)
+    reference = script(reference_runner, lengths)
+    reference_runner.close()
+    for threads in (1, 2):
+        runner = open_runner(gemma3_base, np.float16, threads=threads, graph=True, max_context=832)
+        assert runner.model.graph is not None
+        got = script(runner, lengths)
         runner.close()
         assert same_bits(got, reference), f"{threads} threads"
 

@@ -1,26 +1,32 @@
-/* The decode step of a pre-norm attention + SwiGLU decoder (Llama, Qwen3) run as one job of the
- * persistent thread team (team.h): five phases per layer and one for the head, each split into
- * chunks that team members claim.
+/* The decode step of a pre-norm attention decoder (Llama, Qwen3, Gemma 3) run as one job of the persistent
+ * thread team (team.h): seven phases per layer and one for the head, each split into chunks that team
+ * members claim.
  *
- *   QKV     every member first normalises the residual rows into its own buffer (input norm), then
- *           chunks of whole heads of the q|k|v projection of all tokens, each finished in the chunk:
- *           q/k norms, RoPE, the K/V cache write
- *   ATTN    one chunk per (sequence, kv head, segment of BASERT_ATTN_SEGMENT positions): the segment's
- *           attention partials for every query row of the group (a unit with one segment writes
- *           its output directly)
- *   MERGE   one chunk per (sequence, kv head) with several segments: the partials merged in segment
- *           order (no chunks when every sequence is shorter than a segment)
- *   O       chunks of o_proj output rows, each added to the residual as soon as it is computed
- *   GATEUP  every member normalises the residual (post-attention norm); chunks of gate and up rows
- *           and their SwiGLU product
- *   DOWN    chunks of down_proj output rows, added to the residual
- *   HEAD    every member normalises the rows that want logits (final norm); chunks of vocab rows
+ *   QKV       every member first normalises the residual rows into its own buffer (input norm), then
+ *             chunks of whole heads of the q|k|v projection of all tokens, each finished in the chunk:
+ *             q/k norms, RoPE (the layer's tables), the K/V cache write
+ *   ATTN      one chunk per (sequence, kv head, segment of BASERT_ATTN_SEGMENT positions): the segment's
+ *             attention partials for every query row of the group that attends to it (a sliding-window
+ *             layer skips the segments before a row's window; a unit with one segment writes its output
+ *             directly)
+ *   MERGE     one chunk per (sequence, kv head) with several segments: each row's partials merged in
+ *             segment order from its window's first segment (no chunks when every sequence is shorter
+ *             than a segment)
+ *   O         chunks of o_proj output rows, each added to the residual as soon as it is computed, or kept
+ *             whole when the layer norms its block outputs (Gemma 3)
+ *   O_NORM    (layers with output norms; else no chunks) one chunk per token: x += norm(o_proj output)
+ *   GATEUP    every member normalises the residual (post-attention norm); chunks of gate and up rows and
+ *             their SwiGLU or GeGLU product
+ *   DOWN      chunks of down_proj output rows, added to the residual, or kept whole as for O
+ *   DOWN_NORM (layers with output norms) one chunk per token: x += norm(down_proj output)
+ *   HEAD      every member normalises the rows that want logits (final norm); chunks of vocab rows
  *
  * Every value is computed by the same row kernels, in the same order, as the Python model files'
- * per-kernel path (models/layers.py): matmul rows by basert_stream (whose rows are independent of the
- * rows computed with them), norms by basert_rmsnorm_row, RoPE by basert_rope_row, attention by
- * basert_attend_segment and basert_attend_merge (attention.h: the same bits as basert_attend_rows), SwiGLU by basert_silu_mul_row over 8-aligned column ranges, residual adds as
- * single float additions. So a token's logits are the same bits whichever path, batch or thread count
+ * per-kernel path (models/layers.py, models/gemma3.py): matmul rows by basert_stream (whose rows are
+ * independent of the rows computed with them), norms by basert_rmsnorm_row, RoPE by basert_rope_row,
+ * attention by basert_attend_segment and basert_attend_merge (attention.h: the same bits as
+ * basert_attend_rows), SwiGLU and GeGLU by their row functions over 8-aligned column ranges, residual adds
+ * as single float additions. So a token's logits are the same bits whichever path, batch or thread count
  * computed them. */
 #ifndef BASERT_GRAPH_H
 #define BASERT_GRAPH_H
@@ -34,11 +40,19 @@
 #include "simd.h"
 #include "team.h"
 
-enum { BG_QKV = 0, BG_ATTN = 1, BG_MERGE = 2, BG_O = 3, BG_GATEUP = 4, BG_DOWN = 5, BG_PHASES_PER_LAYER = 6 };
+enum {
+    BG_QKV = 0, BG_ATTN = 1, BG_MERGE = 2, BG_O = 3, BG_O_NORM = 4, BG_GATEUP = 5, BG_DOWN = 6, BG_DOWN_NORM = 7,
+    BG_PHASES_PER_LAYER = 8
+};
+
+enum { BG_SWIGLU = 0, BG_GEGLU = 1 };
 
 typedef struct {
     const float *input_norm, *post_norm;    /* [D] */
+    const float *attn_out_norm, *mlp_out_norm; /* [D], or NULL: the block outputs are added as they are */
     const float *q_norm, *k_norm;           /* [head_dim], or NULL */
+    const float *cos, *sin;                 /* [max_pos, rope_half]: the layer's RoPE tables */
+    ptrdiff_t window;                       /* sliding window in positions, 0: none */
     const basert_weight *wq, *wk, *wv, *wo; /* [H*d, D], [kv*d, D], [kv*d, D], [D, H*d] */
     const basert_weight *wgate, *wup, *wdown;
     char *k_cache, *v_cache;                /* [n_blocks, n_kv, 16, d] float32 or float16 */
@@ -46,10 +60,9 @@ typedef struct {
 
 typedef struct {
     /* Shape */
-    int n_layers, n_heads, n_kv, head_dim, rope_half, interleaved, kv_f16, max_tokens, n_members;
+    int n_layers, n_heads, n_kv, head_dim, rope_half, interleaved, kv_f16, max_tokens, n_members, activation;
     ptrdiff_t dim, ffn, vocab, max_pos;
     float eps, scale;
-    const float *cos, *sin; /* [max_pos, rope_half] */
     const float *final_norm;
     const basert_weight *head;
     bg_layer *layers;
@@ -92,19 +105,31 @@ static void bg_prologue(void *ctx, int phase, int member) {
         return;
     }
     const bg_layer *l = &m->layers[phase / BG_PHASES_PER_LAYER];
-    const float *w = phase % BG_PHASES_PER_LAYER == BG_QKV ? l->input_norm : l->post_norm;
+    const int kind = phase % BG_PHASES_PER_LAYER;
+    if (kind != BG_QKV && kind != BG_GATEUP) return;
+    const float *w = kind == BG_QKV ? l->input_norm : l->post_norm;
     for (int t = 0; t < m->T; t++) basert_rmsnorm_row(m->x + t * m->dim, w, m->eps, h + t * m->dim, m->dim);
 }
 
-/* out = W x rows [r0, r1), then x[t, r] += out[t, r] for those rows. */
-static void bg_rows_residual(bg_model *m, const basert_weight *w, const float *in, ptrdiff_t ldin, ptrdiff_t r0, ptrdiff_t r1) {
+/* out = W x rows [r0, r1), then x[t, r] += out[t, r] for those rows, unless the output is normed first
+ * (out_norm: the *_NORM phase adds it). */
+static void bg_rows_residual(bg_model *m, const basert_weight *w, const float *out_norm, const float *in, ptrdiff_t ldin,
+                             ptrdiff_t r0, ptrdiff_t r1) {
     if (r1 > m->dim) r1 = m->dim;
     if (r0 >= r1) return;
     basert_stream(w, in, ldin, m->T, r0, r1, m->delta, m->dim);
+    if (out_norm) return;
     for (int t = 0; t < m->T; t++) {
         float *x = m->x + t * m->dim, *d = m->delta + t * m->dim;
         for (ptrdiff_t r = r0; r < r1; r++) x[r] = x[r] + d[r];
     }
+}
+
+/* *_NORM chunk: x[t] += norm(delta[t]) for token t, the member's normed rows as scratch. */
+static void bg_add_normed(bg_model *m, const float *out_norm, int t, int member) {
+    float *normed = bg_member_normed(m, member), *x = m->x + t * m->dim;
+    basert_rmsnorm_row(m->delta + t * m->dim, out_norm, m->eps, normed, m->dim);
+    for (ptrdiff_t r = 0; r < m->dim; r++) x[r] = x[r] + normed[r];
 }
 
 /* Byte offset of position p of kv head g in a layer's cache. */
@@ -124,7 +149,7 @@ static void bg_finish_head(const bg_model *m, const bg_layer *l, int t, int part
     const ptrdiff_t d = m->head_dim, p = m->positions[t];
     int item = 0;
     while (t >= m->item_rows[item] + m->item_lengths[item]) item++;
-    const float *c = m->cos + p * m->rope_half, *s = m->sin + p * m->rope_half;
+    const float *c = l->cos + p * m->rope_half, *s = l->sin + p * m->rope_half;
     if (part == 0) {
         float *q = m->q + (t * (ptrdiff_t)m->n_heads + head) * d;
         if (l->q_norm) basert_rmsnorm_row(q, l->q_norm, m->eps, q, d);
@@ -215,10 +240,10 @@ static void bg_attention_segment(bg_model *m, const bg_layer *l, int unit, int j
         const int n = rows.n - r0 < BASERT_ATTN_MAX_ROWS ? rows.n - r0 : BASERT_ATTN_MAX_ROWS;
         for (int r = 0; r < n; r++)
             acc[r] = n_segments == 1 ? rows.out[r0 + r] : m->part_acc + ((ptrdiff_t)rows.index[r0 + r] * m->max_segments + j) * d;
-        basert_attend_segment(n, rows.q + r0, rows.n_pos + r0, 0, p0, p1, l->k_cache + head_offset, l->v_cache + head_offset,
+        basert_attend_segment(n, rows.q + r0, rows.n_pos + r0, l->window, p0, p1, l->k_cache + head_offset, l->v_cache + head_offset,
                               m->kv_f16, table, block_stride, d, m->scale, scores, top, sum, acc);
         for (int r = 0; r < n; r++) {
-            if (rows.n_pos[r0 + r] <= p0) continue;
+            if (!basert_attn_takes_part(rows.n_pos[r0 + r], l->window, p0)) continue;
             if (n_segments == 1) {
                 basert_scale(1.0f / sum[r], acc[r], d);   /* one segment: the output itself */
             } else {
@@ -230,15 +255,17 @@ static void bg_attention_segment(bg_model *m, const bg_layer *l, int unit, int j
     }
 }
 
-/* MERGE chunk: every row of a unit with several segments, from its partials. */
-static void bg_attention_merge(bg_model *m, int unit, int member) {
+/* MERGE chunk: every row of a unit with several segments, from its partials (those of the segments from the
+ * one holding the row's first visible position). */
+static void bg_attention_merge(bg_model *m, const bg_layer *l, int unit, int member) {
     const ptrdiff_t d = m->head_dim;
     bg_unit_rows rows;
     bg_unit_rows_of(m, unit, member, &rows);
     for (int r = 0; r < rows.n; r++) {
-        const ptrdiff_t at = (ptrdiff_t)rows.index[r] * m->max_segments;
-        const int n_segments = (int)((rows.n_pos[r] + BASERT_ATTN_SEGMENT - 1) / BASERT_ATTN_SEGMENT);
-        basert_attend_merge(n_segments, m->part_top + at, m->part_sum + at, m->part_acc + at * d, d, d, rows.out[r]);
+        const int first = (int)(basert_attn_first(rows.n_pos[r], l->window) / BASERT_ATTN_SEGMENT);
+        const int end = (int)((rows.n_pos[r] + BASERT_ATTN_SEGMENT - 1) / BASERT_ATTN_SEGMENT);
+        const ptrdiff_t at = (ptrdiff_t)rows.index[r] * m->max_segments + first;
+        basert_attend_merge(end - first, m->part_top + at, m->part_sum + at, m->part_acc + at * d, d, d, rows.out[r]);
     }
 }
 
@@ -260,22 +287,33 @@ static void bg_chunk(void *ctx, int phase, int chunk, int member) {
         bg_attention_segment(m, l, m->attn_chunks[2 * chunk], m->attn_chunks[2 * chunk + 1], member);
         break;
     case BG_MERGE:
-        bg_attention_merge(m, m->merge_units[chunk], member);
+        bg_attention_merge(m, l, m->merge_units[chunk], member);
         break;
     case BG_O:
-        bg_rows_residual(m, l->wo, m->attn, (ptrdiff_t)m->n_heads * m->head_dim, chunk * m->o_rows, (chunk + 1) * m->o_rows);
+        bg_rows_residual(m, l->wo, l->attn_out_norm, m->attn, (ptrdiff_t)m->n_heads * m->head_dim, chunk * m->o_rows,
+                         (chunk + 1) * m->o_rows);
+        break;
+    case BG_O_NORM:
+        bg_add_normed(m, l->attn_out_norm, chunk, member);
         break;
     case BG_GATEUP: {
         ptrdiff_t r0 = chunk * m->ffn_rows, r1 = r0 + m->ffn_rows;
         if (r1 > m->ffn) r1 = m->ffn;
         bg_rows(l->wgate, h, m->dim, T, r0, r1, m->gate, m->ffn);
         bg_rows(l->wup, h, m->dim, T, r0, r1, m->up, m->ffn);
-        for (int t = 0; t < T; t++)
-            basert_silu_mul_row(m->gate + t * m->ffn + r0, m->up + t * m->ffn + r0, m->gate + t * m->ffn + r0, r1 - r0);
+        for (int t = 0; t < T; t++) {
+            float *gate = m->gate + t * m->ffn + r0;
+            const float *up = m->up + t * m->ffn + r0;
+            if (m->activation == BG_GEGLU) basert_gelu_tanh_mul_row(gate, up, gate, r1 - r0);
+            else basert_silu_mul_row(gate, up, gate, r1 - r0);
+        }
         break;
     }
+    case BG_DOWN:
+        bg_rows_residual(m, l->wdown, l->mlp_out_norm, m->gate, m->ffn, chunk * m->o_rows, (chunk + 1) * m->o_rows);
+        break;
     default:
-        bg_rows_residual(m, l->wdown, m->gate, m->ffn, chunk * m->o_rows, (chunk + 1) * m->o_rows);
+        bg_add_normed(m, l->mlp_out_norm, chunk, member);
         break;
     }
 }
@@ -309,8 +347,10 @@ static int bg_plan_step(bg_model *m, int32_t *chunks) {
         chunks[p++] = m->n_attn_chunks;
         chunks[p++] = m->n_merge_units;
         chunks[p++] = m->o_chunks;
+        chunks[p++] = m->layers[i].attn_out_norm ? m->T : 0;
         chunks[p++] = m->ffn_chunks;
         chunks[p++] = m->o_chunks;
+        chunks[p++] = m->layers[i].mlp_out_norm ? m->T : 0;
     }
     chunks[p++] = m->n_logits > 0 ? m->head_chunks : 0;
     return p;

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""The decode step of a pre-norm attention + SwiGLU decoder in one call: every layer and the head run as
+"""The decode step of a pre-norm attention decoder in one call: every layer and the head run as
 phases of one job of a persistent thread team (graph.h, team.h), with no Python and no OpenMP region
 per kernel. The model files describe the layers (basert.models.plan builds the description); results
 are bit-identical to the per-kernel path."""
@@ -32,11 +32,18 @@ cdef extern from "graph.h" nogil:
     const int BASERT_KV_BLOCK
     const int BASERT_ATTN_SEGMENT
     const int BG_PHASES_PER_LAYER
+    const int BG_SWIGLU
+    const int BG_GEGLU
     ctypedef struct bg_layer:
         const float *input_norm
         const float *post_norm
+        const float *attn_out_norm
+        const float *mlp_out_norm
         const float *q_norm
         const float *k_norm
+        const float *cos
+        const float *sin
+        Py_ssize_t window
         const basert_weight *wq
         const basert_weight *wk
         const basert_weight *wv
@@ -47,11 +54,9 @@ cdef extern from "graph.h" nogil:
         char *k_cache
         char *v_cache
     ctypedef struct bg_model:
-        int n_layers, n_heads, n_kv, head_dim, rope_half, interleaved, kv_f16, max_tokens, n_members
+        int n_layers, n_heads, n_kv, head_dim, rope_half, interleaved, kv_f16, max_tokens, n_members, activation
         Py_ssize_t dim, ffn, vocab, max_pos
         float eps, scale
-        const float *cos
-        const float *sin
         const float *final_norm
         const basert_weight *head
         bg_layer *layers
@@ -107,8 +112,11 @@ cdef float *_buffer(list keep, shape):
 
 
 cdef class DecodeGraph:
-    """One model's decode step. `layers` holds, per layer, a dict with input_norm, post_norm, q_norm, k_norm
-    (float32 arrays or None) and wq, wk, wv, wo, wgate, wup, wdown (basert._ext.matmul.Weight)."""
+    """One model's decode step. `layers` holds, per layer, a dict with input_norm, post_norm, q_norm, k_norm,
+    attn_out_norm, mlp_out_norm (float32 arrays or None; the last two norm the attention and MLP outputs
+    before they are added to the residual), wq, wk, wv, wo, wgate, wup, wdown (basert._ext.matmul.Weight),
+    cos and sin (the layer's RoPE tables, [max_pos, rotary_dim / 2], one shape for all layers) and window
+    (the sliding window in positions, 0 for none). `activation` is the MLP's: "silu" or "gelu_tanh"."""
 
     cdef bg_model m
     cdef bg_layer *layers
@@ -126,18 +134,27 @@ cdef class DecodeGraph:
         self.team = NULL
         self.chunks = NULL
 
-    def __init__(self, list layers, final_norm, head, cos, sin, bint interleaved, int n_heads, int n_kv,
-                 int head_dim, float eps, float scale, int max_tokens=16):
+    def __init__(self, list layers, final_norm, head, bint interleaved, int n_heads, int n_kv, int head_dim,
+                 float eps, float scale, str activation="silu", int max_tokens=16):
         cdef Py_ssize_t n_layers = len(layers), i
         if n_layers == 0 or n_layers * BG_PHASES_PER_LAYER + 1 > BASERT_TEAM_MAX_PHASES:
             raise ValueError(f"a decode graph takes 1 to {(BASERT_TEAM_MAX_PHASES - 1) // BG_PHASES_PER_LAYER} layers")
         if n_heads <= 0 or n_kv <= 0 or n_heads % n_kv or head_dim <= 0 or max_tokens <= 0:
             raise ValueError("bad head counts, head_dim or max_tokens")
-        cos = np.ascontiguousarray(cos, dtype=np.float32)
-        sin = np.ascontiguousarray(sin, dtype=np.float32)
-        if cos.ndim != 2 or cos.shape != sin.shape or 2 * cos.shape[1] > head_dim:
-            raise ValueError("cos and sin tables must be [max_pos, rotary_dim / 2] with rotary_dim <= head_dim")
-        self.keep = [layers, final_norm, head, cos, sin]
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unknown MLP activation {activation!r}")
+        tables = []
+        for i in range(n_layers):
+            cos = np.ascontiguousarray(layers[i]["cos"], dtype=np.float32)
+            sin = np.ascontiguousarray(layers[i]["sin"], dtype=np.float32)
+            if cos.ndim != 2 or cos.shape != sin.shape or 2 * cos.shape[1] > head_dim:
+                raise ValueError("cos and sin tables must be [max_pos, rotary_dim / 2] with rotary_dim <= head_dim")
+            if tables and cos.shape != tables[0][0].shape:
+                raise ValueError("every layer's RoPE tables must have one shape")
+            if layers[i].get("window", 0) < 0:
+                raise ValueError(f"layer {i}: negative sliding window")
+            tables.append((cos, sin))
+        self.keep = [layers, final_norm, head, tables]
         cdef Py_ssize_t dim = head.k, vocab = head.n, qdim = n_heads * head_dim, kvdim = n_kv * head_dim
         cdef Py_ssize_t ffn = layers[0]["wgate"].n
         self.layers = <bg_layer *> malloc(n_layers * sizeof(bg_layer))
@@ -150,6 +167,8 @@ cdef class DecodeGraph:
             l = &self.layers[i]
             l.input_norm = _vector(spec["input_norm"], dim, "input_norm")
             l.post_norm = _vector(spec["post_norm"], dim, "post_norm")
+            l.attn_out_norm = _vector(spec.get("attn_out_norm"), dim, "attn_out_norm")
+            l.mlp_out_norm = _vector(spec.get("mlp_out_norm"), dim, "mlp_out_norm")
             l.q_norm = _vector(spec.get("q_norm"), head_dim, "q_norm")
             l.k_norm = _vector(spec.get("k_norm"), head_dim, "k_norm")
             if l.input_norm == NULL or l.post_norm == NULL or (l.q_norm == NULL) != (l.k_norm == NULL):
@@ -161,15 +180,17 @@ cdef class DecodeGraph:
             l.wgate = _weight(spec["wgate"], ffn, dim, f"layer {i} wgate")
             l.wup = _weight(spec["wup"], ffn, dim, f"layer {i} wup")
             l.wdown = _weight(spec["wdown"], dim, ffn, f"layer {i} wdown")
+            l.cos = <const float *> cnp.PyArray_DATA(tables[i][0])
+            l.sin = <const float *> cnp.PyArray_DATA(tables[i][1])
+            l.window = spec.get("window", 0)
             l.k_cache = NULL
             l.v_cache = NULL
         cdef bg_model *m = &self.m
         m.n_layers, m.n_heads, m.n_kv, m.head_dim = n_layers, n_heads, n_kv, head_dim
-        m.rope_half, m.interleaved, m.kv_f16, m.max_tokens = cos.shape[1], interleaved, 0, max_tokens
-        m.dim, m.ffn, m.vocab, m.max_pos = dim, ffn, vocab, cos.shape[0]
+        m.rope_half, m.interleaved, m.kv_f16, m.max_tokens = tables[0][0].shape[1], interleaved, 0, max_tokens
+        m.dim, m.ffn, m.vocab, m.max_pos = dim, ffn, vocab, tables[0][0].shape[0]
         m.eps, m.scale = eps, scale
-        m.cos = <const float *> cnp.PyArray_DATA(cos)
-        m.sin = <const float *> cnp.PyArray_DATA(sin)
+        m.activation = BG_GEGLU if activation == "gelu_tanh" else BG_SWIGLU
         m.final_norm = _vector(final_norm, dim, "final_norm")
         m.head = _weight(head, vocab, dim, "head")
         m.layers = self.layers

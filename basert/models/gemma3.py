@@ -21,7 +21,7 @@ from basert.models.transformer import DecoderModel
 class Gemma3Layer:
     """Attention and a GeGLU MLP, each with a norm before and a norm after, then the residual add."""
 
-    output_norms = True   # the block outputs are normed before the residual add (not the decode graph's layer)
+    output_norms = True   # the block outputs are normed before the residual add (the decode graph: *_NORM phases)
 
     def __init__(self, weights: Weights, layer: int, config: Gemma3Config, mixer: Attention, feed_forward: MLP):
         eps, hidden = config.rms_norm_eps, config.hidden_size

@@ -1,10 +1,10 @@
 """The decode fast path: the layers the model files built, handed to the C decode graph (basert._ext.graph).
 
 The Python blocks stay the description of the model: this module only reads their weights and settings. A
-model qualifies when every layer is a pre-norm attention block (no output gate, no sliding window) with a dense
-SwiGLU MLP and the embeddings are used as they are — Llama/SmolLM2 and dense Qwen3; others (hybrids, MoE, Gemma 3)
-keep the per-kernel path. The graph computes the same bits as that path, so which one runs a step never shows in
-the results.
+model qualifies when every layer is a pre-norm attention block (no output gate; a sliding window and per-layer
+RoPE tables allowed), optionally with its block outputs normed before the residual add (Gemma 3), with a
+dense SwiGLU or GeGLU MLP — Llama/SmolLM2, dense Qwen3 and Gemma 3; others (hybrids, MoE) keep the per-kernel
+path. The graph computes the same bits as that path, so which one runs a step never shows in the results.
 """
 
 from __future__ import annotations
@@ -24,35 +24,34 @@ MAX_GRAPH_TOKENS = 16
 
 def decode_graph(model: DecoderModel) -> DecodeGraph | None:
     """The C decode graph of the model's layers, or None when a layer is of a kind the graph does not run."""
-    if model.embed_scale is not None:
-        return None
     specs = []
-    rope = None
+    first = model.layers[0].mixer
+    activation = getattr(getattr(model.layers[0], "feed_forward", None), "activation", None)
     for index, layer in enumerate(model.layers):
         attention, mlp = layer.mixer, getattr(layer, "feed_forward", None)
-        if not isinstance(attention, Attention) or attention.output_gate or attention.window:
+        if not isinstance(attention, Attention) or attention.output_gate or attention.kv_layer != index:
             return None
-        if not isinstance(mlp, MLP) or mlp.activation != "silu" or getattr(layer, "output_norms", False):
+        if not isinstance(mlp, MLP) or mlp.activation != activation:
             return None
-        if attention.kv_layer != index:
+        if attention.rope.interleaved != first.rope.interleaved or attention.scale != first.scale:
             return None
-        if rope is not None and attention.rope is not rope:
-            return None
-        rope = attention.rope
-        input_norm, post_norm = getattr(layer, "input_norm", None), getattr(layer, "post_attn_norm", None)
-        if not isinstance(input_norm, RMSNorm) or not isinstance(post_norm, RMSNorm):
-            return None
-        if {input_norm.eps, post_norm.eps} != {attention.eps}:
+        norms = {name: getattr(layer, name, None)
+                 for name in ("input_norm", "post_attn_norm", "attn_out_norm", "mlp_out_norm")}
+        output_norms = getattr(layer, "output_norms", False)
+        wanted = norms if output_norms else {name: norms[name] for name in ("input_norm", "post_attn_norm")}
+        if not all(isinstance(norm, RMSNorm) and norm.eps == first.eps for norm in wanted.values()):
             return None
         specs.append({
-            "input_norm": input_norm.weight, "post_norm": post_norm.weight,
+            "input_norm": norms["input_norm"].weight, "post_norm": norms["post_attn_norm"].weight,
+            "attn_out_norm": norms["attn_out_norm"].weight if output_norms else None,
+            "mlp_out_norm": norms["mlp_out_norm"].weight if output_norms else None,
             "q_norm": attention.q_norm, "k_norm": attention.k_norm,
             "wq": attention.q_proj.weight, "wk": attention.k_proj.weight, "wv": attention.v_proj.weight,
             "wo": attention.o_proj.weight, "wgate": mlp.gate_proj.weight, "wup": mlp.up_proj.weight,
-            "wdown": mlp.down_proj.weight,
+            "wdown": mlp.down_proj.weight, "cos": attention.rope.cos, "sin": attention.rope.sin,
+            "window": attention.window,
         })
-    if rope is None or model.final_norm.eps != model.layers[0].mixer.eps:
+    if activation not in ("silu", "gelu_tanh") or model.final_norm.eps != first.eps:
         return None
-    first = model.layers[0].mixer
-    return DecodeGraph(specs, model.final_norm.weight, model.head, rope.cos, rope.sin, rope.interleaved,
-                       first.n_heads, first.n_kv, first.head_dim, first.eps, first.scale, MAX_GRAPH_TOKENS)
+    return DecodeGraph(specs, model.final_norm.weight, model.head, first.rope.interleaved, first.n_heads, first.n_kv,
+                       first.head_dim, first.eps, first.scale, activation, MAX_GRAPH_TOKENS)
