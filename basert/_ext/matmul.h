@@ -397,23 +397,18 @@ BASERT_ALWAYS_INLINE void bm_weights32(const int kind, const int sym, const uint
     *w1 = bm_dequant(sym, c1, scale, bias);
 }
 
-/* GGUF blocks in registers, 16 values at a time, for the types K-quant mixes use most (Q4_K, Q5_K, Q6_K,
- * Q5_0, Q5_1): bm_block_open reads a block's scales into a bm_gguf_block, bm_block_values16(type, blk, j) gives
- * its values 16j .. 16j+15 (the same products and differences as basert_dequant_block, so the same values).
- * The streaming kernel sums them without storing them; bm_dequant_block stores them. The other types, and
- * the portable variant, run basert_dequant_block as it is. */
+/* GGUF blocks in registers, 16 values at a time: bm_block_open reads a block's scales into a bm_gguf_block,
+ * bm_block_values16(type, blk, j) gives its values 16j .. 16j+15 (the same products and differences as
+ * basert_dequant_block, so the same values). The streaming kernel sums them without storing them;
+ * bm_dequant_block stores them. The portable variant runs basert_dequant_block as it is. */
 #if defined(BASERT_SIMD)
-BASERT_ALWAYS_INLINE int bm_block_in_registers(int type) {
-    return type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K || type == BASERT_GGML_Q6_K || type == BASERT_GGML_Q5_0 ||
-           type == BASERT_GGML_Q5_1;
-}
-
 typedef struct {
     const uint8_t *b;
     float d, m;          /* Q5_0 / Q5_1: d and m */
     __m128i high[2];     /* Q5_0 / Q5_1: per element byte, the fifth bit as 0x10 (Q5_1), or what turns the low
                             nibble into q - 16 (Q5_0: 0 where the fifth bit is set, else 0xF0, which is -16) */
-    float ds[16], dm[8]; /* Q4_K / Q5_K: d * scale, dmin * min per sub-block of 32; Q6_K: d * scale per 16 */
+    float ds[16], dm[16]; /* Q4_K / Q5_K: d * scale, dmin * min per sub-block of 32; Q2_K: the same per 16;
+                             Q3_K, Q6_K: d * scale per 16 */
 } bm_gguf_block;
 
 BASERT_ALWAYS_INLINE float bm_f16_at(const uint8_t *p) { return bm_f16_f32(bm_load_u16(p)); }
@@ -433,6 +428,19 @@ BASERT_ALWAYS_INLINE void bm_block_open(const int type, const uint8_t *b, bm_ggu
         const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v)));
         _mm256_storeu_ps(blk->ds, _mm256_mul_ps(_mm256_set1_ps(bm_f16_at(b)), scales));
         _mm256_storeu_ps(blk->dm, _mm256_mul_ps(_mm256_set1_ps(bm_f16_at(b + 2)), mins));
+    } else if (type == BASERT_GGML_Q2_K) {
+        const float d = bm_f16_at(b + 80), dmin = bm_f16_at(b + 82);
+        for (int j = 0; j < 16; j++) {
+            blk->ds[j] = d * (float)(b[j] & 15);
+            blk->dm[j] = dmin * (float)(b[j] >> 4);
+        }
+    } else if (type == BASERT_GGML_Q3_K) {
+        const uint8_t *sc = b + 96;
+        const float d = bm_f16_at(b + 108);
+        for (int j = 0; j < 16; j++) {
+            const int low = (sc[j & 7] >> (4 * (j >> 3))) & 15, high = (sc[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+            blk->ds[j] = d * (float)((int)(int8_t)(uint8_t)(low | (high << 4)) - 32);
+        }
     } else if (type == BASERT_GGML_Q6_K) {
         const int8_t *scales = (const int8_t *)(const void *)(b + 192);
         const float d = bm_f16_at(b + 208);
@@ -489,6 +497,16 @@ BASERT_ALWAYS_INLINE bm_v bm_block_values16(const int type, const bm_gguf_block 
         if (five) q = _mm_or_si128(q, _mm_slli_epi16(bm_bits16(b + 16 + 16 * h, s, 1), 4));
         return bm_sub(bm_mul(bm_set1(blk->ds[s]), bm_bytes16(q, 0)), bm_set1(blk->dm[s]));
     }
+    if (type == BASERT_GGML_Q2_K || type == BASERT_GGML_Q3_K) {
+        /* Element 128h + 32t + i: two low bits from qs byte 32h + i; Q3_K subtracts 4 unless bit 2h + t of
+         * hmask byte i is set. */
+        const int h = j >> 3, t = (j >> 1) & 3, i = 16 * (j & 1);
+        const __m128i low = bm_bits16(b + (type == BASERT_GGML_Q2_K ? 16 : 32) + 32 * h + i, 2 * t, 3);
+        if (type == BASERT_GGML_Q2_K) return bm_sub(bm_mul(bm_set1(blk->ds[j]), bm_bytes16(low, 0)), bm_set1(blk->dm[j]));
+        const __m128i set = _mm_slli_epi16(bm_bits16(b + i, j >> 1, 1), 2);
+        const __m128i q = _mm_sub_epi8(_mm_or_si128(low, set), _mm_set1_epi8(4));
+        return bm_mul(bm_set1(blk->ds[j]), bm_bytes16(q, 1));
+    }
     if (type == BASERT_GGML_Q6_K) {
         const int e = 16 * j, h = e >> 7, u = (e >> 5) & 3, i = e & 31;
         const __m128i low = bm_bits16(b + 64 * h + 32 * (u & 1) + i, 4 * (u >> 1), 15);
@@ -512,6 +530,8 @@ BASERT_ALWAYS_INLINE void bm_dequant_block_as(const int type, const uint8_t *blo
 BASERT_ALWAYS_INLINE void bm_dequant_block(int type, const uint8_t *block, float *dst) {
 #if defined(BASERT_SIMD)
     switch (type) {
+    case BASERT_GGML_Q2_K: bm_dequant_block_as(BASERT_GGML_Q2_K, block, dst); return;
+    case BASERT_GGML_Q3_K: bm_dequant_block_as(BASERT_GGML_Q3_K, block, dst); return;
     case BASERT_GGML_Q4_K: bm_dequant_block_as(BASERT_GGML_Q4_K, block, dst); return;
     case BASERT_GGML_Q5_K: bm_dequant_block_as(BASERT_GGML_Q5_K, block, dst); return;
     case BASERT_GGML_Q6_K: bm_dequant_block_as(BASERT_GGML_Q6_K, block, dst); return;
@@ -787,8 +807,10 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
     } else
 #endif
 #if defined(BASERT_SIMD)
-    if (kind == BASERT_BLOCKS && bm_block_in_registers(w->ggml_type)) {
+    if (kind == BASERT_BLOCKS) {
         switch (w->ggml_type) {
+        case BASERT_GGML_Q2_K: bm_stream_blocks(R, C, BASERT_GGML_Q2_K, p, k, x, ldx, acc); break;
+        case BASERT_GGML_Q3_K: bm_stream_blocks(R, C, BASERT_GGML_Q3_K, p, k, x, ldx, acc); break;
         case BASERT_GGML_Q4_K: bm_stream_blocks(R, C, BASERT_GGML_Q4_K, p, k, x, ldx, acc); break;
         case BASERT_GGML_Q5_K: bm_stream_blocks(R, C, BASERT_GGML_Q5_K, p, k, x, ldx, acc); break;
         case BASERT_GGML_Q6_K: bm_stream_blocks(R, C, BASERT_GGML_Q6_K, p, k, x, ldx, acc); break;
@@ -796,10 +818,10 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
         default: bm_stream_blocks(R, C, BASERT_GGML_Q5_1, p, k, x, ldx, acc); break;
         }
     } else
-#endif
+#else
     if (kind == BASERT_BLOCKS) {
-        /* Other GGUF blocks: a block of each of the R rows de-quantized into a buffer (the exact values of
-         * basert_dequant_row), then summed as dense weights. */
+        /* GGUF blocks without SIMD: a block of each of the R rows de-quantized into a buffer (the exact values
+         * of basert_dequant_row), then summed as dense weights. */
         const ptrdiff_t values = w->group_size, bytes = basert_block_bytes(w->ggml_type);
         float buf[4][256] __attribute__((aligned(64)));
         for (ptrdiff_t b = 0; b < k / values; b++) {
@@ -813,7 +835,9 @@ BASERT_ALWAYS_INLINE void bm_stream_block(const int R, const int C, const int ki
                     for (int c = 0; c < C; c++) acc[r][c] = bm_fma(bm_load(x + c * ldx + b * values + e), wv, acc[r][c]);
                 }
         }
-    } else if (bm_is_dense(kind)) {
+    } else
+#endif
+    if (bm_is_dense(kind)) {
         const ptrdiff_t esize = kind == BASERT_F32 ? 4 : 2;
         for (ptrdiff_t e = 0; e < k16; e += 16) {
             for (int r = 0; r < R; r++) {
