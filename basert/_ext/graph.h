@@ -368,7 +368,10 @@ static void bg_plan_chunks(bg_model *m) {
     m->o_chunks = bg_chunks_for(m->dim, m->o_rows);
     m->ffn_rows = bg_rows_per_chunk(m->ffn, m->n_members, 4);
     m->ffn_chunks = bg_chunks_for(m->ffn, m->ffn_rows);
-    m->head_rows = bg_rows_per_chunk(m->vocab, m->n_members, 8);
+    /* The head is the longest phase (Gemma 3's 262,144 x 640 rows): small chunks, so a member that another
+     * process delays holds the step up by little (Gemma 3 tg128 on a busy 2-core Zen 3: 29.9 -> 31.1 tok/s
+     * with 32 chunks per member instead of 8, three alternations). */
+    m->head_rows = bg_rows_per_chunk(m->vocab, m->n_members, 32);
     m->head_chunks = bg_chunks_for(m->vocab, m->head_rows);
 }
 
