@@ -93,14 +93,17 @@ static inline void basert_dequant_q2_k(const uint8_t *b, float *dst) {
 /* Q3_K: hmask (32 bytes), qs (64), scales (12: 16 six-bit values), d; element 128h + 32t + j has low bits
  * (qs[32h + j] >> 2t) & 3 and, unless bit (e >> 5) of hmask[j] is set, 4 subtracted; value (d * scale) * q
  * with scale the signed six-bit value of its 16. */
+/* The signed six-bit scale of Q3_K's 16 values k (of 16) in its 12 packed scale bytes. */
+static inline int basert_q3_k_scale(const uint8_t *sc, int k) {
+    const int low = (sc[k & 7] >> (4 * (k >> 3))) & 15, high = (sc[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
+    return (int)(int8_t)(uint8_t)(low | (high << 4)) - 32;
+}
+
 static inline void basert_dequant_q3_k(const uint8_t *b, float *dst) {
     const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
     const float d = basert_block_f16(b + 108);
     float dl[16];
-    for (int k = 0; k < 16; k++) {
-        const int low = (sc[k & 7] >> (4 * (k >> 3))) & 15, high = (sc[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
-        dl[k] = d * (float)((int)(int8_t)(uint8_t)(low | (high << 4)) - 32);
-    }
+    for (int k = 0; k < 16; k++) dl[k] = d * (float)basert_q3_k_scale(sc, k);
     for (int e = 0; e < 256; e++) {
         const int h = e >> 7, t = (e >> 5) & 3, j = e & 31;
         const int low = (qs[32 * h + j] >> (2 * t)) & 3, unset = ((hmask[j] >> (e >> 5)) & 1) ^ 1;

@@ -435,12 +435,8 @@ BASERT_ALWAYS_INLINE void bm_block_open(const int type, const uint8_t *b, bm_ggu
             blk->dm[j] = dmin * (float)(b[j] >> 4);
         }
     } else if (type == BASERT_GGML_Q3_K) {
-        const uint8_t *sc = b + 96;
         const float d = bm_f16_at(b + 108);
-        for (int j = 0; j < 16; j++) {
-            const int low = (sc[j & 7] >> (4 * (j >> 3))) & 15, high = (sc[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
-            blk->ds[j] = d * (float)((int)(int8_t)(uint8_t)(low | (high << 4)) - 32);
-        }
+        for (int j = 0; j < 16; j++) blk->ds[j] = d * (float)basert_q3_k_scale(b + 96, j);
     } else if (type == BASERT_GGML_Q6_K) {
         const int8_t *scales = (const int8_t *)(const void *)(b + 192);
         const float d = bm_f16_at(b + 208);
