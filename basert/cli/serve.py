@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -86,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling", choices=("mean", "last", "cls"), default="mean",
                    help="how /v1/embeddings pools the last hidden states of an input: mean, last token, or cls "
                    "(first token); the vector is L2-normalised (default mean)")
+    p.add_argument("--replica", type=int, metavar="K",
+                   help="serve as replica K of a cluster (`basert cluster` sets it): the prefix cache file becomes "
+                   "PATH.<model id>.<K>, so a restarted replica warms from its own cache")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="drain and stop, as on SIGTERM, when the process that started this one exits (a cluster "
+                   "replica's server must not outlive its replica)")
     p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                    help="skip the check of every tensor's checksum at load (faster start, no protection "
                    "against a damaged file)")
@@ -157,6 +164,7 @@ def engine_options(args: argparse.Namespace):
         threads=args.threads,
         prefix_cache=args.prefix_cache is not False,
         prefix_cache_file=args.prefix_cache_file,
+        replica=args.replica,
         verify_checksums=args.verify_checksums,
         pooling=args.pooling,
     ).resolved()
@@ -165,7 +173,6 @@ def engine_options(args: argparse.Namespace):
 def load_model(path: Path, args: argparse.Namespace):
     """Build the model's engine, its actor, and what the server needs to render its chats."""
     from basert.actor.actor import ModelActor
-    from basert.chat.template import ChatTemplate
     from basert.chat.tool_calls import detect_dialect
     from basert.engine.build import build_engine
     from basert.server.catalog import ServedModel
@@ -173,11 +180,8 @@ def load_model(path: Path, args: argparse.Namespace):
     options = engine_options(args)
     engine = build_engine(path, options)
     tokenizer = engine.tokenizer
-    source = args.chat_template.read_text() if args.chat_template else (tokenizer.chat_template if tokenizer else None)
-    template = None
-    if source:
-        template = ChatTemplate(source, bos_token=tokenizer.bos_token or "" if tokenizer else "",
-                                eos_token=tokenizer.eos_token or "" if tokenizer else "")
+    source = chat_template_source(tokenizer, args.chat_template)
+    template = chat_template_of(tokenizer, source)
     actor = ModelActor(engine, cache_save_interval=args.prefix_cache_save_interval,
                        max_queued=args.max_queued, queue_timeout=args.queue_timeout)
     info = engine.info
@@ -190,6 +194,23 @@ def load_model(path: Path, args: argparse.Namespace):
     actor.load_prefix_cache()
     return ServedModel(info=info, actor=actor, tokenizer=tokenizer, template=template,
                        dialect=detect_dialect(source), grammars=None)
+
+
+def chat_template_source(tokenizer, template_file: Path | None) -> str | None:
+    """The chat template a model is served with: --chat-template's file, else the one its tokenizer brings."""
+    if template_file:
+        return template_file.read_text()
+    return tokenizer.chat_template if tokenizer else None
+
+
+def chat_template_of(tokenizer, source: str | None):
+    """The ChatTemplate of `source` with the tokenizer's BOS/EOS text; None without a template."""
+    from basert.chat.template import ChatTemplate
+
+    if not source:
+        return None
+    return ChatTemplate(source, bos_token=tokenizer.bos_token or "" if tokenizer else "",
+                        eos_token=tokenizer.eos_token or "" if tokenizer else "")
 
 
 def configure_logging(log_file: Path | None) -> None:
@@ -245,6 +266,7 @@ def serve(args: argparse.Namespace) -> int:
     from basert.server.files import FilesStore
     from basert.server.generation import ServerLimits
 
+    parent = os.getppid()   # before the (slow) load: a parent that dies meanwhile is noticed too
     keys = read_api_keys(args)
     check_port_free(args.host, args.port)
     if not keys and not is_loopback(args.host):
@@ -316,8 +338,16 @@ def serve(args: argparse.Namespace) -> int:
                                  name, args.drain_timeout)
                         nursery.start_soon(drain)
 
+        async def watch_parent(nursery: trio.Nursery) -> None:
+            while os.getppid() == parent:
+                await trio.sleep(0.5)
+            log.info("the parent process %d exited: draining", parent)
+            nursery.start_soon(drain)
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(handle_signals, nursery)
+            if args.exit_with_parent:
+                nursery.start_soon(watch_parent, nursery)
             for model in catalog.models:
                 nursery.start_soon(model.actor.run)
             log.info("listening on http://%s:%d", args.host, args.port)

@@ -36,6 +36,7 @@ class EngineOptions:
     threads: int | None = None          # default: every core this process may run on
     prefix_cache: bool = False
     prefix_cache_file: Path | None = None  # PATH: the cache persists in PATH.<model id>
+    replica: int | None = None          # a cluster replica's rank: the cache file is PATH.<model id>.<rank>
     verify_checksums: bool = True
     model_id: str | None = None         # default: see model_id_for
     token_budget: int = DEFAULT_TOKEN_BUDGET
@@ -62,6 +63,8 @@ class EngineOptions:
             raise ValueError("threads must be at least 1")
         if self.token_budget < 1:
             raise ValueError("token_budget must be at least 1")
+        if self.replica is not None and self.replica < 0:
+            raise ValueError("replica must be >= 0")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}")
 
@@ -78,10 +81,7 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
                          kv_dtype=np.float16 if options.kv_bits == 16 else np.float32,
                          verify_checksums=options.verify_checksums)
     try:
-        tokenizer_object = runner.base.tokenizer
-        tokenizer = None
-        if tokenizer_object.get("tokenizer_type") != "none":
-            tokenizer = Tokenizer.from_object(tokenizer_object)
+        tokenizer = tokenizer_of(runner.base.tokenizer)
         model_id = options.model_id or model_id_for(path)
         prefix_cache = None
         if options.prefix_cache:
@@ -99,13 +99,22 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
                          n_ctx=options.max_context, fingerprint=runner.fingerprint,
                          hybrid=runner.n_linear_layers > 0, n_slots=options.n_slots,
                          hidden_size=runner.hidden_size, pooling=options.pooling, features=frozenset(features))
-        cache_file = prefix_cache_file(options.prefix_cache_file, model_id) if options.prefix_cache_file else None
+        cache_file = None
+        if options.prefix_cache_file:
+            cache_file = prefix_cache_file(options.prefix_cache_file, model_id, options.replica)
         return Engine(runner, tokenizer, info, prefix_cache=prefix_cache, prefix_cache_file=cache_file,
                       max_running=options.n_slots if options.continuous_batching else 1,
                       token_budget=options.token_budget)
     except BaseException:
         runner.close()
         raise
+
+
+def tokenizer_of(tokenizer_object: dict) -> Tokenizer | None:
+    """The tokenizer a .base file's `tokenizer` object describes; None for a model stored without one."""
+    if tokenizer_object.get("tokenizer_type") == "none":
+        return None
+    return Tokenizer.from_object(tokenizer_object)
 
 
 def model_id_for(path: Path) -> str:

@@ -25,6 +25,25 @@ from basert.engine.sequence import RecurrentState
 ROOT_KEY = 0
 
 
+def block_key(parent: int, tokens: Sequence[int], fingerprint: bytes) -> int:
+    """The key of a block of `tokens` after the prefix named `parent` (ROOT_KEY for the first block)."""
+    digest = xxhash.xxh64()
+    digest.update(parent.to_bytes(8, "little"))
+    digest.update(np.asarray(tokens, dtype=np.int32).tobytes())
+    digest.update(fingerprint)
+    return digest.intdigest()
+
+
+def chain_keys(tokens: Sequence[int], fingerprint: bytes) -> list[int]:
+    """The keys of every full block of `tokens`, in order: key i names the first 16 (i + 1) tokens."""
+    keys: list[int] = []
+    parent = ROOT_KEY
+    for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = block_key(parent, tokens[start: start + BLOCK_SIZE], fingerprint)
+        keys.append(parent)
+    return keys
+
+
 @dataclass(frozen=True, slots=True)
 class CachedBlock:
     block: int
@@ -67,11 +86,7 @@ class PrefixCache:
         pool.on_evict = self._forget
 
     def key(self, parent: int, tokens: Sequence[int]) -> int:
-        digest = xxhash.xxh64()
-        digest.update(parent.to_bytes(8, "little"))
-        digest.update(np.asarray(tokens, dtype=np.int32).tobytes())
-        digest.update(self.fingerprint)
-        return digest.intdigest()
+        return block_key(parent, tokens, self.fingerprint)
 
     # --- lookup -------------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int], limit: int, *, count: bool = True) -> CacheHit:

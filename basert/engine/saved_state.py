@@ -245,9 +245,11 @@ def restore_slot(runner: ModelRunner, slots: Slots, slot: Slot, path: Path) -> S
 
 # --- prefix cache files ---------------------------------------------------------------------------------
 
-def prefix_cache_file(base: Path, model_id: str) -> Path:
-    """`base.<model id>`, one flat file beside `base` ("/" in the id becomes "--")."""
-    return base.with_name(f"{base.name}.{model_id.replace('/', '--')}")
+def prefix_cache_file(base: Path, model_id: str, replica: int | None = None) -> Path:
+    """`base.<model id>` (`base.<model id>.<replica>` for a cluster's replica), one flat file beside `base` ("/" in
+    the id becomes "--")."""
+    suffix = "" if replica is None else f".{replica}"
+    return base.with_name(f"{base.name}.{model_id.replace('/', '--')}{suffix}")
 
 
 def save_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from basert.chat.prompt import ChatPlan, plan_chat_prompt
 from basert.chat.reply import ChatChoiceState
+from basert.chat.template import ChatTemplate
 from basert.chat.tool_calls import CLOSE_TAG, ToolCallDelta, check_forced_tool, max_calls_per_turn
 from basert.engine.types import FinishEvent, TokenEvent
 from basert.server.access_log import RequestRecord
@@ -32,6 +33,7 @@ from basert.server.generation import (
     usage_body,
 )
 from basert.server.schemas import ChatCompletionRequest
+from basert.tokenizer import Tokenizer
 
 # --- rendering ----------------------------------------------------------------------------------
 
@@ -50,15 +52,19 @@ def continues_final_message(body: ChatCompletionRequest) -> bool:
 
 def plan_chat(model: ServedModel, body: ChatCompletionRequest) -> ChatPlan:
     """Render the conversation (with tools) through the model's template and tokenize it."""
-    template = model.require_template()
-    tokenizer = model.require_tokenizer()
+    return render_chat(model.require_template(), model.require_tokenizer(), body,
+                       segment_ends=model.wants_segment_ends)
+
+
+def render_chat(template: ChatTemplate, tokenizer: Tokenizer, body: ChatCompletionRequest, *,
+                segment_ends: bool = False) -> ChatPlan:
+    """`plan_chat` for a template and tokenizer held outside a served model (the cluster's router)."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     use_tools = tools if (tools and body.tool_choice != "none") else None
     return plan_chat_prompt(template, tokenizer, messages, use_tools, template_kwargs=body.chat_template_kwargs,
                             constrained=is_constrained(body, use_tools), continue_final=continues_final_message(body),
-                            add_generation_prompt=body.add_generation_prompt,
-                            segment_ends=model.wants_segment_ends)
+                            add_generation_prompt=body.add_generation_prompt, segment_ends=segment_ends)
 
 
 def forced_tool(body: ChatCompletionRequest) -> tuple[bool, str | None]:

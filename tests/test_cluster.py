@@ -1,0 +1,160 @@
+"""`basert cluster` on a local Ray: 2 SmolLM2 replicas (1 thread each) behind Ray Serve's proxy.
+
+The same requests answered by the cluster and by one `basert serve` give the same outputs; conversations stay on
+their replica and find their prefix cached; slot admin and metrics address replicas; a killed replica's requests
+fail with a 503 while the other replica serves on, and Ray brings the killed one back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve", reason="the cluster tests need Ray Serve (pip install 'basert[cluster]')")
+
+from openai import OpenAI
+
+from basert.testing.client import error_envelope, sse_events
+from basert.testing.cluster import ClusterProcess
+
+CLUSTER_FLAGS = ("--threads-per-replica", "1", "--max-context", "1024")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+SUBJECTS = ["invoices", "rockets", "gardens", "violins", "glaciers", "trains", "bees", "lighthouses"]
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("cluster")
+    started = ClusterProcess(smollm2_base, *CLUSTER_FLAGS, "--prefix-cache-file", str(root / "pc"), replicas=2,
+                             log_path=root / "cluster.log")
+    yield started
+    code = started.stop()
+    assert code == 0, started.log_text()[-4000:]
+
+
+def client_of(url: str) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def chats(url: str) -> dict:
+    """A plain chat, the same chat streamed, and a chat offered a tool, greedy."""
+    client = client_of(url)
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    plain = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=24, temperature=0, stream=True) if chunk.choices)
+    tooled = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+        max_tokens=40, temperature=0)
+    calls = [(c.function.name, c.function.arguments) for c in tooled.choices[0].message.tool_calls or []]
+    return {"plain": plain.choices[0].message.content, "streamed": streamed,
+            "tooled": (tooled.choices[0].message.content, calls, tooled.choices[0].finish_reason)}
+
+
+def test_the_openai_sdk_through_the_cluster_gets_what_one_server_answers(cluster, smollm2_server):
+    through_cluster = chats(cluster.url)
+    assert through_cluster == chats(smollm2_server.url)
+    assert through_cluster["plain"] and through_cluster["plain"] == through_cluster["streamed"]
+
+
+def conversation(url: str, index: int, turns: int) -> list[dict]:
+    """One conversation of `turns` turns after its own long system prompt: per turn, its replica and usage."""
+    subject = SUBJECTS[index]
+    system = (f"You are the assistant of the {subject} desk. Answer questions about {subject} briefly and "
+              f"politely, and never discuss anything but {subject}. ") * 8
+    messages = [{"role": "system", "content": system}]
+    seen = []
+    with httpx.Client(base_url=url, timeout=120) as http:
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"Question {turn + 1} about {subject}: what matters most?"})
+            response = http.post("/v1/chat/completions", json={"model": "smollm2", "messages": messages,
+                                                               "max_tokens": 8, "temperature": 0})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            counted = http.post("/v1/chat/completions/input_tokens", json={"model": "smollm2",
+                                                                           "messages": messages[:-1]})
+            seen.append({"replica": int(response.headers["x-basert-replica"]), "usage": body["usage"],
+                         "previous_prompt": counted.json()["input_tokens"]})
+            messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    return seen
+
+
+def test_conversations_stay_on_their_replica_and_find_their_prefix_cached(cluster):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        runs = list(pool.map(lambda i: conversation(cluster.url, i, 4), range(8)))
+    for run in runs:
+        assert len({turn["replica"] for turn in run}) == 1, run
+        for turn in run[1:]:
+            # everything before the new user message was this conversation's previous prompt or answer
+            shared = turn["previous_prompt"]
+            cached = turn["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 0.9 * shared, (cached, shared, run)
+    replicas = [run[0]["replica"] for run in runs]
+    assert sorted(set(replicas)) == [0, 1], replicas
+
+
+def test_slots_and_metrics_name_their_replica(cluster):
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        slots = http.get("/slots").json()
+        assert {slot["replica"] for slot in slots} == {0, 1}
+        only = http.get("/slots", params={"replica": 1})
+        assert only.status_code == 200 and only.headers["x-basert-replica"] == "1"
+        assert len(only.json()) == len([slot for slot in slots if slot["replica"] == 1])
+        erase = http.post("/slots/0", params={"action": "erase"})
+        assert error_envelope(erase, 400)["param"] == "replica"
+        assert http.post("/slots/0", params={"action": "erase", "replica": 1}).status_code == 200
+        assert error_envelope(http.get("/slots", params={"replica": 7}), 400)["param"] == "replica"
+        assert error_envelope(http.get("/slots", headers={"X-BaseRT-Replica": "x"}), 400)
+        metrics = http.get("/metrics")
+        assert metrics.status_code == 200
+        assert 'replica="0"' in metrics.text and 'replica="1"' in metrics.text
+        status = http.get("/cluster").json()["replicas"]
+        assert [(r["replica"], r["state"]) for r in status] == [(0, "serving"), (1, "serving")]
+
+
+def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(cluster):
+    victim = {r["replica"]: r["pid"] for r in cluster.replicas()}[0]
+    long_chat = {"model": "smollm2", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                 "messages": [{"role": "user", "content": "Tell a very long story about a lighthouse keeper."}]}
+    outcomes: dict[str, object] = {}
+
+    def whole() -> None:
+        with httpx.Client(base_url=cluster.url, timeout=120) as http:
+            outcomes["whole"] = http.post("/v1/chat/completions", params={"replica": 0}, json=long_chat)
+
+    def streamed() -> None:
+        with httpx.Client(base_url=cluster.url, timeout=120) as http:
+            outcomes["streamed"] = http.post("/v1/chat/completions", params={"replica": 0},
+                                             json={**long_chat, "stream": True})
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2.0)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for thread in threads:
+        thread.join(120)
+    assert error_envelope(outcomes["whole"], 503, "replica_failed")
+    events = sse_events(outcomes["streamed"])
+    assert events and "error" in events[-1], events[-3:]
+    # the other replica serves on, and requests not pinned anywhere find it
+    with httpx.Client(base_url=cluster.url, timeout=120) as http:
+        for params in ({"replica": 1}, {}):
+            answer = http.post("/v1/chat/completions", params=params, json={**long_chat, "max_tokens": 4})
+            assert answer.status_code == 200, answer.text
+    assert cluster.wait_serving(60 - (time.monotonic() - killed_at), unlike={0: victim}), cluster.log_text()[-4000:]
+    with httpx.Client(base_url=cluster.url, timeout=120) as http:
+        again = http.post("/v1/chat/completions", params={"replica": 0}, json={**long_chat, "max_tokens": 4})
+        assert again.status_code == 200 and again.headers["x-basert-replica"] == "0"
+        assert json.loads(again.text)["usage"]["completion_tokens"] == 4
