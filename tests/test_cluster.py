@@ -158,3 +158,35 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(cluster):
         again = http.post("/v1/chat/completions", params={"replica": 0}, json={**long_chat, "max_tokens": 4})
         assert again.status_code == 200 and again.headers["x-basert-replica"] == "0"
         assert json.loads(again.text)["usage"]["completion_tokens"] == 4
+
+
+def test_the_serve_run_entry_point_builds_the_same_application(smollm2_base: Path):
+    from basert.cluster.app import build, serve_parser
+
+    app = build({"model": str(smollm2_base), "replicas": "3", "threads_per_replica": "2",
+                 "serve_args": "--max-context 2048 --slots 2 --prefix-cache-file /var/cache/pc --alias agent"})
+    ingress = app._bound_deployment
+    replica = ingress.init_args[0]._bound_deployment
+    assert ingress.init_args[1:] == ([str(smollm2_base)], 3, None, "agent")
+    assert (replica.num_replicas, replica.max_ongoing_requests) == (3, 2 + 64)
+    models, flags, threads = replica.init_args
+    assert (models, threads) == ([str(smollm2_base)], 2)
+    passed = serve_parser().parse_args(flags)
+    assert (passed.max_context, passed.slots, str(passed.prefix_cache_file), passed.alias) == (
+        2048, 2, "/var/cache/pc", "agent")
+    assert passed.prefix_cache_save_interval == 60.0    # a killed replica's restart stays warm
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--replicas", "0"], "--replicas must be at least 1"),
+    (["--threads-per-replica", "0"], "--threads-per-replica must be at least 1"),
+    (["--slots", "0"], "--slots N needs N >= 1"),
+    (["--replica", "1"], "set by basert cluster"),
+])
+def test_the_cluster_command_refuses_flags_that_cannot_work(flags, message):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "basert", "cluster", *flags], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr

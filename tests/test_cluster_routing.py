@@ -114,7 +114,7 @@ def test_the_cluster_config_reads_the_replicas_limits_and_template_from_the_serv
     parser = serve_parser()
     config = cluster_config(parser.parse_args(["-np", "3", "--max-queued", "10", "--alias", "a", "--chat-template",
                                                "/tmp/t.jinja"]), replicas=2, threads_per_replica=1, routing="prefix")
-    assert config.max_ongoing_requests == 13
+    assert (config.max_ongoing_requests, config.overload) == (13, 6)
     assert (config.alias, config.chat_template) == ("a", "/tmp/t.jinja")
     assert "--port" not in config.serve_args and "--threads" not in config.serve_args
     with pytest.raises(ValueError, match="--slots"):

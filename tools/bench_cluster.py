@@ -1,7 +1,7 @@
 """Cluster benchmark: prefix-affinity routing against round robin on a K-conversation workload, and the latency the
 cluster adds to one completion.
 
-    python tools/bench_cluster.py [--model M] [--replicas 2] [--threads-per-replica 1] [--conversations 8]
+    python tools/bench_cluster.py [--model M] [--replicas 2] [--threads-per-replica 1] [--conversations 12]
                                   [--turns 4] [--clients 8] [--system-tokens 2000] [--json PATH]
     python tools/bench_cluster.py --quick      # smaller prompts and fewer turns: a few minutes
 
@@ -9,7 +9,9 @@ cluster adds to one completion.
     --conversations conversations, each with its own made-up system prompt of about --system-tokens tokens,
     each of --turns turns (a short new question, max_tokens --max-tokens, greedy), sent by --clients client
     threads: a client takes a conversation's next turn whenever it is free, so the turns of one conversation
-    never overlap. Reported: requests/s and generated tok/s over the makespan, the cached share of prompt tokens
+    never overlap. With the defaults the conversations' prompts (about 12 x 2,100 tokens) overflow one replica's
+    prefix cache (4 slots x 4,096 tokens) but fit in two: round robin makes each replica hold them all, affinity
+    half of them each. Reported: requests/s and generated tok/s over the makespan, the cached share of prompt tokens
     (usage.prompt_tokens_details.cached_tokens / prompt_tokens), and the requests each replica served
     (X-BaseRT-Replica).
 (b) Latency: one 128-token completion (ignore_eos), --latency-runs times, alternating between a direct
@@ -48,7 +50,7 @@ WORDS = ("ledger", "harbour", "copper", "meadow", "signal", "lantern", "orchard"
 def system_prompt(index: int, n_tokens: int) -> str:
     """A made-up manual of about `n_tokens` tokens, different for every conversation from its first words."""
     sentences = []
-    for i in range(n_tokens // 12):
+    for i in range(n_tokens // 20):     # a sentence is about 20 tokens
         a, b, c = (WORDS[(index * 7 + i * k) % len(WORDS)] for k in (1, 3, 5))
         sentences.append(f"Rule {i} of desk {index}: the {a} goes beside the {b}, never the {c}.")
     return f"You are the assistant of desk {index}. " + " ".join(sentences)
@@ -132,7 +134,7 @@ def main() -> int:
     parser.add_argument("--model", help="model to serve (default: the default SmolLM2)")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--threads-per-replica", type=int, default=1)
-    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=2000)

@@ -12,6 +12,7 @@ from dataclasses import replace
 from basert.cli.serve import StartupError, add_arguments, check_port_free, configure_logging
 
 log = logging.getLogger("basert.cluster")
+SET_BY_CLUSTER = ("replica", "exit_with_parent")    # `basert serve` flags the cluster gives each replica itself
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -26,7 +27,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     from basert.cluster.app import cluster_config
     from basert.engine.runner import default_threads
 
-    threads = args.threads or max(1, default_threads() // max(1, args.replicas))
+    if args.replica is not None or args.exit_with_parent:
+        log.error("--replica and --exit-with-parent are set by basert cluster on each replica")
+        return 2
+    threads = args.threads if args.threads is not None else max(1, default_threads() // max(1, args.replicas))
     try:
         config = cluster_config(args, replicas=args.replicas, threads_per_replica=threads, routing=args.routing)
     except ValueError as exc:
@@ -84,6 +88,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "GET /cluster lists the replicas, GET /metrics and GET /slots gather all of theirs. "
         "Needs Ray Serve: pip install 'basert[cluster]'.")
     add_arguments(p)
+    for action in p._actions:
+        if action.dest in SET_BY_CLUSTER:
+            action.help = argparse.SUPPRESS
     p.set_defaults(port=8080)
     p.add_argument("--replicas", type=int, default=2, metavar="N", help="replicas to run (default 2)")
     p.add_argument("--threads-per-replica", dest="threads", type=int, metavar="T",

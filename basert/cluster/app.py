@@ -18,6 +18,7 @@ from basert.cluster.routing import POLICIES
 
 HEALTH_CHECK_PERIOD_S = 2.0      # a replica whose server died is noticed within this and replaced
 HEALTH_CHECK_TIMEOUT_S = 10.0
+CACHE_SAVE_INTERVAL_S = 60.0     # a replica's --prefix-cache-save-interval unless the flags set one
 # Flags the cluster sets itself on every replica's `basert serve`.
 CLUSTER_SET = frozenset({"model_arg", "model", "host", "port", "threads", "replica", "exit_with_parent"})
 
@@ -32,6 +33,7 @@ class ClusterConfig:
     threads_per_replica: int = 1
     routing: str = "prefix"
     max_ongoing_requests: int = 68      # per replica: its slots and queue; beyond, its server answers 503
+    overload: int = 8                   # requests on a prefix's replica before it goes elsewhere: 2 x slots
     chat_template: str | None = None
     alias: str | None = None
 
@@ -105,9 +107,13 @@ def cluster_config(serve_args: argparse.Namespace, *, models: list[str] | tuple[
     if problem:
         raise ValueError(problem)
     slots = engine_options(serve_args).n_slots
+    if serve_args.prefix_cache_file is not None and not serve_args.prefix_cache_save_interval:
+        # A replica may be killed rather than stopped: saving now and then keeps its restart warm.
+        serve_args = argparse.Namespace(**{**vars(serve_args), "prefix_cache_save_interval": CACHE_SAVE_INTERVAL_S})
     config = ClusterConfig(
         models=tuple(models), serve_args=tuple(serve_flags(serve_args, serve_parser())), replicas=replicas,
         threads_per_replica=threads_per_replica, routing=routing, max_ongoing_requests=slots + serve_args.max_queued,
+        overload=2 * slots,
         chat_template=str(serve_args.chat_template) if serve_args.chat_template else None, alias=serve_args.alias)
     config.check()
     return config
@@ -130,7 +136,8 @@ def application(config: ClusterConfig):
         max_ongoing_requests=config.max_ongoing_requests,
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
-                                                  request_router_kwargs={"policy": config.routing}),
+                                                  request_router_kwargs={"policy": config.routing,
+                                                                         "overload": config.overload}),
     )
     ingress = serve.deployment(BaseRTIngress, name="BaseRTIngress", num_replicas=1,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)

@@ -16,7 +16,7 @@ from basert.cluster.routing import Route, RoutingPolicy
 class PrefixAffinityRouter(RequestRouter):
     """Sends a request to the replica that served its prompt prefix last, else to the least loaded one."""
 
-    def initialize_state(self, policy: str = "prefix", overload: int = 4, **_: object) -> None:
+    def initialize_state(self, policy: str = "prefix", overload: int = 8, **_: object) -> None:
         self.policy = RoutingPolicy(policy=policy, overload=overload)
         self.running: dict[ReplicaID, int] = {}
 

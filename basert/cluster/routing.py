@@ -68,12 +68,14 @@ class RoutingPolicy:
     """Orders replicas for a request: the prefix owner first unless it is overloaded, then the least loaded (ties:
     the one believed to cache less).
 
-    A replica is overloaded when it runs at least `overload` requests and `overload` more than the least loaded
-    one: then recomputing the prefix elsewhere is cheaper than waiting for it.
+    A replica is overloaded when it has at least `overload` requests and `overload` more than the least loaded
+    one. The cluster sets `overload` to twice a replica's slots: a full batch running and as many waiting, when
+    recomputing the prefix elsewhere becomes cheaper than the wait (a replica batches its slots, so requests up to
+    their number cost each other little).
     """
 
     policy: str = "prefix"
-    overload: int = 4
+    overload: int = 8
     table: PrefixTable | None = None
     _next: int = 0
 
