@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the cluster tests need Ray Serve (pip install 'basert[cluster]')")
 
+from conftest import HYBRID_CHAT_FLAGS
 from openai import OpenAI
 
 from basert.testing.client import error_envelope, sse_events
@@ -68,7 +69,8 @@ def test_the_openai_sdk_through_the_cluster_gets_what_one_server_answers(cluster
 
 
 def conversation(url: str, index: int, turns: int) -> list[dict]:
-    """One conversation of `turns` turns after its own long system prompt: per turn, its replica and usage."""
+    """One conversation of `turns` turns after its own long system prompt: per turn, its replica (None from a
+    single server), usage, answer and the previous prompt's length."""
     subject = SUBJECTS[index]
     system = (f"You are the assistant of the {subject} desk. Answer questions about {subject} briefly and "
               f"politely, and never discuss anything but {subject}. ") * 8
@@ -81,11 +83,15 @@ def conversation(url: str, index: int, turns: int) -> list[dict]:
                                                                "max_tokens": 8, "temperature": 0})
             assert response.status_code == 200, response.text
             body = response.json()
-            counted = http.post("/v1/chat/completions/input_tokens", json={"model": "smollm2",
-                                                                           "messages": messages[:-1]})
-            seen.append({"replica": int(response.headers["x-basert-replica"]), "usage": body["usage"],
-                         "previous_prompt": counted.json()["input_tokens"]})
-            messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+            previous = 0
+            if turn:
+                previous = http.post("/v1/chat/completions/input_tokens",
+                                     json={"model": "smollm2", "messages": messages[:-1]}).json()["input_tokens"]
+            answer = body["choices"][0]["message"]["content"]
+            replica = response.headers.get("x-basert-replica")
+            seen.append({"replica": None if replica is None else int(replica), "usage": body["usage"],
+                         "answer": answer, "previous_prompt": previous})
+            messages.append({"role": "assistant", "content": answer})
     return seen
 
 
@@ -101,6 +107,26 @@ def test_conversations_stay_on_their_replica_and_find_their_prefix_cached(cluste
             assert cached >= 0.9 * shared, (cached, shared, run)
     replicas = [run[0]["replica"] for run in runs]
     assert sorted(set(replicas)) == [0, 1], replicas
+
+
+@pytest.fixture(scope="module")
+def hybrid_cluster(qwen35_chat_base: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("hybrid-cluster")
+    started = ClusterProcess(qwen35_chat_base, *HYBRID_CHAT_FLAGS, "--threads-per-replica", "1", replicas=2,
+                             log_path=root / "cluster.log")
+    yield started
+    assert started.stop() == 0, started.log_text()[-4000:]
+
+
+def test_hybrid_conversations_through_the_cluster_equal_one_servers(hybrid_cluster, hybrid_server):
+    """Prefix reuse on the replicas (recurrent snapshots included) changes no answer of a hybrid model."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        through_cluster = list(pool.map(lambda i: conversation(hybrid_cluster.url, i, 3), range(4)))
+    alone = [conversation(hybrid_server.url, i, 3) for i in range(4)]
+    for run, single in zip(through_cluster, alone):
+        assert [turn["answer"] for turn in run] == [turn["answer"] for turn in single]
+        assert len({turn["replica"] for turn in run}) == 1
+        assert all(turn["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for turn in run[1:]), run
 
 
 def test_slots_and_metrics_name_their_replica(cluster):
