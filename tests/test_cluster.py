@@ -141,6 +141,8 @@ def test_slots_and_metrics_name_their_replica(cluster):
         assert http.post("/slots/0", params={"action": "erase", "replica": 1}).status_code == 200
         assert error_envelope(http.get("/slots", params={"replica": 7}), 400)["param"] == "replica"
         assert error_envelope(http.get("/slots", headers={"X-BaseRT-Replica": "x"}), 400)
+        too_large = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (33 * 1024 * 1024) + b'"}')
+        assert error_envelope(too_large, 413, "request_too_large")
         metrics = http.get("/metrics")
         assert metrics.status_code == 200
         assert 'replica="0"' in metrics.text and 'replica="1"' in metrics.text
@@ -193,7 +195,7 @@ def test_the_serve_run_entry_point_builds_the_same_application(smollm2_base: Pat
                  "serve_args": "--max-context 2048 --slots 2 --prefix-cache-file /var/cache/pc --alias agent"})
     ingress = app._bound_deployment
     replica = ingress.init_args[0]._bound_deployment
-    assert ingress.init_args[1:] == ([str(smollm2_base)], 3, None, "agent")
+    assert ingress.init_args[1:] == ([str(smollm2_base)], 3, None, "agent", 32 * 1024 * 1024)
     assert (replica.num_replicas, replica.max_ongoing_requests) == (3, 2 + 64)
     models, flags, threads = replica.init_args
     assert (models, threads) == ([str(smollm2_base)], 2)

@@ -153,9 +153,10 @@ class BaseRTIngress:
     """The cluster's HTTP entry: routes each request to a replica and streams its answer back."""
 
     def __init__(self, replicas, models: list[str], n_replicas: int, template_file: str | None = None,
-                 alias: str | None = None):
+                 alias: str | None = None, max_body_bytes: int = 32 * 1024 * 1024):
         self.replicas = replicas
         self.n_replicas = n_replicas
+        self.max_body_bytes = max_body_bytes
         template = Path(template_file) if template_file else None
         self.prompts = PromptKeys([PromptModel.open(Path(path), template_file=template, alias=alias if i == 0 else None)
                                    for i, path in enumerate(models)])
@@ -178,11 +179,22 @@ class BaseRTIngress:
             if path.startswith("/slots") and replica is None:
                 raise invalid(f"slot actions address one replica: add ?replica=K (K = 0..{self.n_replicas - 1})",
                               "replica")
-            body = await request.body()
+            body = await self.read_body(request)
         except ApiError as exc:
             return error_response(exc)
         keys = self.prompts.keys(path, body) if request.method == "POST" else ()
         return await self.relay(forwarded(request, body), Route(keys, replica))
+
+    async def read_body(self, request) -> bytes:
+        """The request body, refused (413, as the replicas' servers would) once it exceeds their limit: the
+        ingress holds a body whole before it routes it, so an unbounded one must not be read."""
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise ApiError(413, f"request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def relay(self, request: ForwardedRequest, route: Route):
         from ray.exceptions import RayError
