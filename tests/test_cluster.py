@@ -8,9 +8,11 @@ fail with a 503 while the other replica serves on, and Ray brings the killed one
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -26,7 +28,8 @@ from openai import OpenAI
 from basert.testing.client import error_envelope, sse_events
 from basert.testing.cluster import ClusterProcess
 
-CLUSTER_FLAGS = ("--threads-per-replica", "1", "--max-context", "1024")
+# Listening beyond loopback too, so that a test can reach it from a non-loopback address.
+CLUSTER_FLAGS = ("--threads-per-replica", "1", "--max-context", "1024", "--host", "0.0.0.0")
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -150,6 +153,31 @@ def test_slots_and_metrics_name_their_replica(cluster):
         assert [(r["replica"], r["state"]) for r in status] == [(0, "serving"), (1, "serving")]
 
 
+def local_address() -> str | None:
+    """This machine's address on its default route, unless that is loopback or there is none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))     # no packet is sent: this only picks the outgoing interface
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+def test_slots_and_files_stay_loopback_only_without_api_keys(cluster):
+    """The replicas see every request come from loopback; the ingress keeps their rule for remote clients."""
+    address = local_address()
+    if address is None:
+        pytest.skip("this machine has no address beyond loopback")
+    with httpx.Client(base_url=f"http://{address}:{cluster.port}", timeout=60) as remote:
+        assert error_envelope(remote.get("/slots"), 401, "invalid_api_key")
+        assert error_envelope(remote.post("/slots/0", params={"action": "erase", "replica": 0}), 401,
+                              "invalid_api_key")
+        assert error_envelope(remote.get("/v1/files"), 401, "invalid_api_key")
+        assert remote.get("/v1/models").status_code == 200      # the rest is open, as on one server
+    assert httpx.get(f"{cluster.url}/slots", timeout=60).status_code == 200
+
+
 def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(cluster):
     victim = {r["replica"]: r["pid"] for r in cluster.replicas()}[0]
     long_chat = {"model": "smollm2", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
@@ -195,7 +223,7 @@ def test_the_serve_run_entry_point_builds_the_same_application(smollm2_base: Pat
                  "serve_args": "--max-context 2048 --slots 2 --prefix-cache-file /var/cache/pc --alias agent"})
     ingress = app._bound_deployment
     replica = ingress.init_args[0]._bound_deployment
-    assert ingress.init_args[1:] == ([str(smollm2_base)], 3, None, "agent", 32 * 1024 * 1024)
+    assert ingress.init_args[1:] == ([str(smollm2_base)], 3, None, "agent", 32 * 1024 * 1024, False)
     assert (replica.num_replicas, replica.max_ongoing_requests) == (3, 2 + 64)
     models, flags, threads = replica.init_args
     assert (models, threads) == ([str(smollm2_base)], 2)

@@ -34,6 +34,7 @@ import httpx
 from basert.cluster.metrics import merge_replica_metrics
 from basert.cluster.prompts import PromptKeys, PromptModel
 from basert.cluster.routing import Route
+from basert.server.app import PROTECTED_PREFIXES, is_loopback
 from basert.server.errors import ApiError, invalid, unavailable
 
 REPLICA_HEADER = "x-basert-replica"
@@ -153,8 +154,9 @@ class BaseRTIngress:
     """The cluster's HTTP entry: routes each request to a replica and streams its answer back."""
 
     def __init__(self, replicas, models: list[str], n_replicas: int, template_file: str | None = None,
-                 alias: str | None = None, max_body_bytes: int = 32 * 1024 * 1024):
+                 alias: str | None = None, max_body_bytes: int = 32 * 1024 * 1024, api_keys: bool = False):
         self.replicas = replicas
+        self.api_keys = api_keys
         self.n_replicas = n_replicas
         self.max_body_bytes = max_body_bytes
         template = Path(template_file) if template_file else None
@@ -169,6 +171,11 @@ class BaseRTIngress:
             replica = requested_replica(request.query_params.get("replica"), request.headers.get(REPLICA_HEADER),
                                         self.n_replicas)
             path = request.url.path
+            client = request.client.host if request.client else None
+            if not self.api_keys and path.startswith(PROTECTED_PREFIXES) and not is_loopback(client):
+                # The replicas see every request come from loopback: the ingress applies their rule for them.
+                raise ApiError(401, "slot and file endpoints need --api-key when served beyond loopback",
+                               type="authentication_error", code="invalid_api_key")
             if request.method == "GET" and replica is None:
                 if path == "/cluster":
                     return JSONResponse(await self.cluster_status())
