@@ -144,6 +144,13 @@ def test_slots_and_metrics_name_their_replica(cluster):
         assert http.post("/slots/0", params={"action": "erase", "replica": 1}).status_code == 200
         assert error_envelope(http.get("/slots", params={"replica": 7}), 400)["param"] == "replica"
         assert error_envelope(http.get("/slots", headers={"X-BaseRT-Replica": "x"}), 400)
+        for bad in ("-1", "99999999999999999999", "1.5", ""):
+            assert error_envelope(http.get("/slots", params={"replica": bad}), 400)["param"] == "replica"
+        # malformed bodies reach a replica's server, whose 400 comes back as it is
+        assert error_envelope(http.post("/v1/chat/completions", content=b'{"messages": [',
+                                        headers={"content-type": "application/json"}), 400)
+        assert error_envelope(http.post("/v1/chat/completions", json={"messages": 5, "max_tokens": "many"}), 400)
+        assert error_envelope(http.post("/v1/completions", json={"prompt": "hi", "temperature": "hot"}), 400)
         too_large = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (33 * 1024 * 1024) + b'"}')
         assert error_envelope(too_large, 413, "request_too_large")
         metrics = http.get("/metrics")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,3 +193,9 @@ def test_the_cluster_metrics_hold_every_replicas_samples_labelled_by_replica():
     assert samples[("basert_requests_total", (("model", "m"), ("replica", "1")))] == 5
     assert samples[("basert_queued", (("replica", "1"),))] == 2
     assert merged.count("# TYPE basert_requests_total counter") == 1
+
+
+def test_serve_refuses_a_negative_replica_rank():
+    done = subprocess.run([sys.executable, "-m", "basert", "serve", "--replica", "-1"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "replica must be >= 0" in done.stderr, done.stderr

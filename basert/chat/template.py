@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
@@ -156,3 +157,13 @@ def _parse_arguments(arguments: str) -> dict | str:
     except json.JSONDecodeError:
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
+
+
+def model_chat_template(tokenizer, template_file: Path | None = None) -> ChatTemplate | None:
+    """The template a model is served with: `template_file`'s (--chat-template), else the one its tokenizer
+    brings, with the tokenizer's BOS/EOS text; None when there is neither."""
+    source = template_file.read_text() if template_file else (tokenizer.chat_template if tokenizer else None)
+    if not source:
+        return None
+    return ChatTemplate(source, bos_token=tokenizer.bos_token or "" if tokenizer else "",
+                        eos_token=tokenizer.eos_token or "" if tokenizer else "")

@@ -173,6 +173,7 @@ def engine_options(args: argparse.Namespace):
 def load_model(path: Path, args: argparse.Namespace):
     """Build the model's engine, its actor, and what the server needs to render its chats."""
     from basert.actor.actor import ModelActor
+    from basert.chat.template import model_chat_template
     from basert.chat.tool_calls import detect_dialect
     from basert.engine.build import build_engine
     from basert.server.catalog import ServedModel
@@ -180,8 +181,7 @@ def load_model(path: Path, args: argparse.Namespace):
     options = engine_options(args)
     engine = build_engine(path, options)
     tokenizer = engine.tokenizer
-    source = chat_template_source(tokenizer, args.chat_template)
-    template = chat_template_of(tokenizer, source)
+    template = model_chat_template(tokenizer, args.chat_template)
     actor = ModelActor(engine, cache_save_interval=args.prefix_cache_save_interval,
                        max_queued=args.max_queued, queue_timeout=args.queue_timeout)
     info = engine.info
@@ -193,24 +193,7 @@ def load_model(path: Path, args: argparse.Namespace):
              ", prefix cache" if info.has("prefix_cache") else "")
     actor.load_prefix_cache()
     return ServedModel(info=info, actor=actor, tokenizer=tokenizer, template=template,
-                       dialect=detect_dialect(source), grammars=None)
-
-
-def chat_template_source(tokenizer, template_file: Path | None) -> str | None:
-    """The chat template a model is served with: --chat-template's file, else the one its tokenizer brings."""
-    if template_file:
-        return template_file.read_text()
-    return tokenizer.chat_template if tokenizer else None
-
-
-def chat_template_of(tokenizer, source: str | None):
-    """The ChatTemplate of `source` with the tokenizer's BOS/EOS text; None without a template."""
-    from basert.chat.template import ChatTemplate
-
-    if not source:
-        return None
-    return ChatTemplate(source, bos_token=tokenizer.bos_token or "" if tokenizer else "",
-                        eos_token=tokenizer.eos_token or "" if tokenizer else "")
+                       dialect=detect_dialect(template.source if template else None), grammars=None)
 
 
 def configure_logging(log_file: Path | None) -> None:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from basert.chat.template import ChatTemplate
+from basert.chat.template import ChatTemplate, model_chat_template
 from basert.engine.prefix_cache import chain_keys
 from basert.tokenizer import Tokenizer
 
@@ -33,14 +33,13 @@ class PromptModel:
     @classmethod
     def open(cls, path: Path, *, template_file: Path | None = None, alias: str | None = None) -> PromptModel:
         """Read a .base file's tokenizer and header (not its weights)."""
-        from basert.cli.serve import chat_template_of, chat_template_source
         from basert.engine.build import model_id_for, tokenizer_of
         from basert.engine.runner import model_fingerprint
         from basert.format.reader import BaseFile
 
         with BaseFile(path) as base:
             tokenizer = tokenizer_of(base.tokenizer)
-        template = chat_template_of(tokenizer, chat_template_source(tokenizer, template_file))
+        template = model_chat_template(tokenizer, template_file)
         names = {model_id_for(path), path.name, path.stem} | ({alias} if alias else set())
         return cls(frozenset(names), tokenizer, template, model_fingerprint(path).encode())
 
