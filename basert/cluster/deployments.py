@@ -18,10 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -34,6 +32,7 @@ import httpx
 from basert.cluster.metrics import merge_replica_metrics
 from basert.cluster.prompts import PromptKeys, PromptModel
 from basert.cluster.routing import Route
+from basert.local_server import free_port, wait_healthy
 from basert.server.app import PROTECTED_PREFIXES, is_loopback
 from basert.server.errors import ApiError, invalid, unavailable
 
@@ -72,12 +71,6 @@ class ServerGone(Exception):
     """A replica's `basert serve` stopped answering."""
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class BaseRTReplica:
     """One replica: a supervised `basert serve` of the cluster's models on a loopback port."""
 
@@ -87,7 +80,7 @@ class BaseRTReplica:
         context = serve.get_replica_context()
         self.rank = context.rank.rank
         self.replica_id = context.replica_id.unique_id
-        self.port = free_loopback_port()
+        self.port = free_port()
         model_args = [models[0]] + [arg for extra in models[1:] for arg in ("--model", extra)]
         argv = [sys.executable, "-m", "basert", "serve", *model_args, *serve_args, "--host", "127.0.0.1",
                 "--port", str(self.port), "--threads", str(threads), "--replica", str(self.rank), "--exit-with-parent"]
@@ -96,16 +89,11 @@ class BaseRTReplica:
         self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=None)
 
     def _wait_until_serving(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"replica {self.rank}: basert serve exited with status {self.process.returncode} "
-                                   "before serving (its log is in this replica's log)")
-            try:
-                httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1.0)
-                return
-            except httpx.TransportError:
-                time.sleep(0.2)
+        if wait_healthy(f"http://127.0.0.1:{self.port}", timeout_s, lambda: self.process.poll() is None):
+            return
+        if self.process.poll() is not None:
+            raise RuntimeError(f"replica {self.rank}: basert serve exited with status {self.process.returncode} "
+                               "before serving (its log is in this replica's log)")
         self.process.kill()
         raise RuntimeError(f"replica {self.rank}: basert serve did not answer within {timeout_s:.0f} s")
 

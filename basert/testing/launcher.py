@@ -5,42 +5,21 @@ from __future__ import annotations
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from basert.local_server import free_port, wait_healthy
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["ServerProcess", "free_port", "limit_file_size", "start_servers", "stop_servers", "wait_healthy"]
 
 
 def limit_file_size(n_bytes: int) -> None:
     """RLIMIT_FSIZE for this process: writes beyond `n_bytes` fail with EFBIG (Python ignores SIGXFSZ), as a
     full disk would fail them."""
     resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, n_bytes))
-
-
-def wait_healthy(url: str, timeout: float, still_running: Callable[[], bool] = lambda: True) -> bool:
-    """Poll GET `url`/health until it answers 200 (True), `still_running()` turns false or `timeout` passes (False)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and still_running():
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1.0) as response:
-                if response.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    return False
 
 
 class ServerProcess:
