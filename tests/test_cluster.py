@@ -25,7 +25,7 @@ pytest.importorskip("ray.serve", reason="the cluster tests need Ray Serve (pip i
 from conftest import HYBRID_CHAT_FLAGS
 from openai import OpenAI
 
-from basert.testing.client import error_envelope, sse_events
+from basert.testing.client import error_envelope
 from basert.testing.cluster import ClusterProcess
 
 # Listening beyond loopback too, so that a test can reach it from a non-loopback address.
@@ -187,7 +187,7 @@ def test_slots_and_files_stay_loopback_only_without_api_keys(cluster):
 
 def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(cluster):
     victim = {r["replica"]: r["pid"] for r in cluster.replicas()}[0]
-    long_chat = {"model": "smollm2", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+    long_chat = {"model": "smollm2", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
                  "messages": [{"role": "user", "content": "Tell a very long story about a lighthouse keeper."}]}
     outcomes: dict[str, object] = {}
 
@@ -195,22 +195,31 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(cluster):
         with httpx.Client(base_url=cluster.url, timeout=120) as http:
             outcomes["whole"] = http.post("/v1/chat/completions", params={"replica": 0}, json=long_chat)
 
+    streaming = threading.Event()
+
     def streamed() -> None:
         with httpx.Client(base_url=cluster.url, timeout=120) as http:
-            outcomes["streamed"] = http.post("/v1/chat/completions", params={"replica": 0},
-                                             json={**long_chat, "stream": True})
+            with http.stream("POST", "/v1/chat/completions", params={"replica": 0},
+                             json={**long_chat, "stream": True}) as response:
+                lines = []
+                for line in response.iter_lines():
+                    lines.append(line)
+                    streaming.set()
+            outcomes["streamed"] = lines
 
     threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
     for thread in threads:
         thread.start()
-    time.sleep(2.0)
+    assert streaming.wait(60)           # both requests run on replica 0 (the whole one was sent first)
+    time.sleep(0.5)
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     for thread in threads:
         thread.join(120)
     assert error_envelope(outcomes["whole"], 503, "replica_failed")
-    events = sse_events(outcomes["streamed"])
+    events = [json.loads(line[6:]) for line in outcomes["streamed"] if line.startswith("data: {")]
     assert events and "error" in events[-1], events[-3:]
+    assert "[DONE]" not in "".join(outcomes["streamed"])
     # the other replica serves on, and requests not pinned anywhere find it
     with httpx.Client(base_url=cluster.url, timeout=120) as http:
         for params in ({"replica": 1}, {}):
