@@ -10,6 +10,10 @@ machine's read bandwidth.
    2 bytes per position of context: small at the depths of tgN and left out.
 3. floor tok/s = bandwidth / bytes per token; tgN is measured with `basert bench`'s decode loop in the same
    run, and printed as a share of the floor.
+4. Matmul alone: every weight matrix those bytes hold (the 2-D tensors) multiplied by one activation row with
+   the engine's kernels and thread count, one call per matrix, best of several passes: the tokens/s the
+   kernels allow with nothing else to do. When it is well below the floor, decode is bound by the kernels'
+   arithmetic, not by memory.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
+from basert._ext import matmul as mm
 from basert.cli.bench import cpu_model, kernel_variant, run_bench
 from basert.cli.generate import model_path_for
 from basert.engine.runner import default_threads
 from basert.format import open_base
+from basert.models.layers import Weights
 
 BUFFER_BYTES = 1 << 30
 
@@ -46,11 +52,35 @@ def read_bandwidth(threads: int, passes: int = 5) -> float:
 
 
 def bytes_per_token(path: Path) -> int:
-    """Bytes of the tensors one decode step reads: all of them but an embedding table with a separate head."""
+    """Bytes of the tensors one decode step reads (decode_tensors)."""
     with open_base(path) as base:
-        tensors = base.tensors
-        skipped = "embed_tokens.weight" if "lm_head.weight" in tensors else None
-        return sum(info.length for name, info in tensors.items() if name != skipped)
+        return sum(base.tensors[name].length for name in decode_tensors(base.tensors))
+
+
+def decode_tensors(tensors: dict) -> list[str]:
+    """Names of the tensors one decode step reads: all of them but an embedding table with a separate head."""
+    skipped = "embed_tokens.weight" if "lm_head.weight" in tensors else None
+    return [name for name in tensors if name != skipped]
+
+
+def matmul_alone_seconds(path: Path, threads: int, passes: int = 10) -> float:
+    """Seconds of one pass of every weight matrix a decode step reads against one activation row (best of
+    `passes`), with the engine's kernels on `threads` threads."""
+    with open_base(path) as base:
+        weights = Weights(base)
+        matrices = [weights.matrix(name, *base.tensors[name].array_shape) for name in decode_tensors(base.tensors)
+                    if len(base.tensors[name].array_shape) == 2 and min(base.tensors[name].array_shape) > 1]
+        rng = np.random.default_rng(0)
+        calls = [(rng.standard_normal((1, w.k), dtype=np.float32), w, np.empty((1, w.n), dtype=np.float32))
+                 for w in matrices]
+        mm.set_num_threads(threads)
+        seconds = []
+        for _ in range(passes + 1):   # the first pass warms up and is not counted
+            started = time.perf_counter()
+            for x, w, out in calls:
+                mm.matmul(x, w, out)
+            seconds.append(time.perf_counter() - started)
+        return min(seconds[1:])
 
 
 def main() -> int:
@@ -67,17 +97,20 @@ def main() -> int:
     bandwidth = read_bandwidth(threads)
     per_token = bytes_per_token(path)
     floor = bandwidth / per_token
+    matmul_alone = 1.0 / matmul_alone_seconds(path, threads)
     [tg] = run_bench(path, [], [args.n_gen], args.repetitions, 1, args.threads)
     share = tg.mean / floor
-    print(f"| CPU | kernels | threads | read GB/s | MB per token | floor tok/s | tg{args.n_gen} tok/s | "
-          "share of floor |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| CPU | kernels | threads | read GB/s | MB per token | floor tok/s | matmul alone tok/s | "
+          f"tg{args.n_gen} tok/s | share of floor |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     print(f"| {cpu_model()} | {kernel_variant()} | {threads} |"
           f" {bandwidth / 1e9:.1f} | {per_token / 1e6:.1f} | {floor:.0f} | "
+          f"{matmul_alone:.0f} ({matmul_alone / floor:.0%}) | "
           f"{tg.mean:.1f} ± {tg.stdev:.1f} | {share:.0%} |")
     report = {"cpu": cpu_model(), "variant": kernel_variant(), "threads": threads, "model": str(path),
               "read_bytes_per_second": bandwidth, "bytes_per_token": per_token, "floor_tokens_per_second": floor,
-              "tg_tokens_per_second": tg.rates, "share_of_floor": share}
+              "matmul_alone_tokens_per_second": matmul_alone, "tg_tokens_per_second": tg.rates,
+              "share_of_floor": share}
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
