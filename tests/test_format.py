@@ -379,6 +379,17 @@ def test_read_back_is_bit_identical_and_zero_copy(tmp_path: Path) -> None:
         assert np.shares_memory(bf.array("f32"), bf.payload("f32"))
 
 
+def test_pop_tokenizer_hands_the_object_over_and_keeps_no_copy(tmp_path: Path) -> None:
+    path = tmp_path / "model.base"
+    _write_sample(path)
+    with open_base(path) as bf:
+        tokenizer = bf.pop_tokenizer()
+        assert tokenizer["tokenizer_type"] == "hf"
+        assert bf.tokenizer == {} and "tokenizer" not in bf.header
+        assert bf.pop_tokenizer() == {}
+        assert bf.arch == "llama" and bf.array("f32").shape == (3, 64)
+
+
 def test_closing_with_live_views_keeps_them_readable(tmp_path: Path) -> None:
     path = tmp_path / "model.base"
     arrays, _ = _write_sample(path)

@@ -81,7 +81,7 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
                          kv_dtype=np.float16 if options.kv_bits == 16 else np.float32,
                          verify_checksums=options.verify_checksums)
     try:
-        tokenizer = tokenizer_of(runner.base.tokenizer)
+        tokenizer = tokenizer_of(runner.base.pop_tokenizer())
         model_id = options.model_id or model_id_for(path)
         prefix_cache = None
         if options.prefix_cache:

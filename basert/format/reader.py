@@ -142,6 +142,13 @@ class BaseFile:
             pass
         self._mmap = None
 
+    def pop_tokenizer(self) -> dict[str, Any]:
+        """The header's tokenizer object, no longer kept here (`tokenizer` becomes empty): a vocabulary parsed into
+        Python objects holds megabytes that a server which has built its Tokenizer from it never reads again."""
+        tokenizer, self.tokenizer = self.tokenizer, {}
+        self.header.pop("tokenizer", None)
+        return tokenizer
+
     def verify_checksums(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Hash every tensor that records a checksum, in one call on a view of the mapping (no copy);
         `progress(done_bytes, total_bytes)` is called after each tensor."""
