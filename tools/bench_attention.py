@@ -1,9 +1,10 @@
 """Micro-benchmark of basert._ext.attention on SmolLM2-135M shapes (9 query heads, 3 kv heads, head dim 64).
 
 Cases: decode of one sequence (and of a batch of 4) after D positions, and a prefill chunk of P new tokens
-after D positions, over a float16 (default) or float32 cache. Each time is the fastest of repeated
-attention_batch calls for one layer; "model tok/s" scales it to the 30 attention layers of the model
-(attention alone, no matmuls). To compare two builds, run this file with each on PYTHONPATH, alternately.
+after D positions, over a float16 (default) or float32 cache. Each time is the best of several rounds of
+attention_batch calls for one layer (bench_matmul's seconds_per_call); "model tok/s" scales it to the 30
+attention layers of the model (attention alone, no matmuls). To compare two builds, run this file with each on
+PYTHONPATH, alternately.
 Run: python tools/bench_attention.py [--depth 4096 16384] [--prefill 512] [--threads 1 2] [--kv-bits 16]
      [--json results.json]
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from bench_matmul import seconds_per_call
 
 from basert._ext import attention as attn
 from basert._ext import matmul as mm
@@ -30,19 +31,6 @@ class Result:
     threads: int
     ms_per_call: float
     model_tok_s: float
-
-
-def seconds_per_call(call, min_seconds: float = 1.0, min_calls: int = 5) -> float:
-    """The fastest of repeated calls (at least min_calls, for at least min_seconds): on a shared machine the
-    minimum is the call that ran undisturbed."""
-    call()
-    best, n, start = float("inf"), 0, time.perf_counter()
-    while n < min_calls or time.perf_counter() - start < min_seconds:
-        t = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - t)
-        n += 1
-    return best
 
 
 def run_case(depth: int, n_seq: int, new_tokens: int, dtype: type, rng: np.random.Generator) -> tuple[float, int]:
@@ -61,7 +49,7 @@ def run_case(depth: int, n_seq: int, new_tokens: int, dtype: type, rng: np.rando
     def call() -> None:
         attn.attention_batch(q, k_cache, v_cache, tables, rows, lengths, starts, 0.125, out)
 
-    return seconds_per_call(call), n_seq * new_tokens
+    return seconds_per_call(call, min_time=1.0), n_seq * new_tokens
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ machine's read bandwidth.
 3. floor tok/s = bandwidth / bytes per token; tgN is measured with `basert bench`'s decode loop in the same
    run, and printed as a share of the floor.
 4. Matmul alone: every weight matrix those bytes hold (the 2-D tensors) multiplied by one activation row with
-   the engine's kernels and thread count, one call per matrix, best of several passes: the tokens/s the
+   the engine's kernels and thread count, one call per matrix, best of several rounds: the tokens/s the
    kernels allow with nothing else to do. When it is well below the floor, decode is bound by the kernels'
    arithmetic, not by memory.
 """
@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from bench_matmul import seconds_per_call
 
 from basert._ext import matmul as mm
 from basert.cli.bench import cpu_model, kernel_variant, run_bench
@@ -63,24 +64,22 @@ def decode_tensors(tensors: dict) -> list[str]:
     return [name for name in tensors if name != skipped]
 
 
-def matmul_alone_seconds(path: Path, threads: int, passes: int = 10) -> float:
-    """Seconds of one pass of every weight matrix a decode step reads against one activation row (best of
-    `passes`), with the engine's kernels on `threads` threads."""
+def matmul_alone_seconds(path: Path, threads: int) -> float:
+    """Seconds of one pass of every weight matrix a decode step reads against one activation row (the best of
+    several rounds), with the engine's kernels on `threads` threads."""
     with open_base(path) as base:
         weights = Weights(base)
-        matrices = [weights.matrix(name, *base.tensors[name].array_shape) for name in decode_tensors(base.tensors)
-                    if len(base.tensors[name].array_shape) == 2 and min(base.tensors[name].array_shape) > 1]
+        shapes = {name: base.tensors[name].array_shape for name in decode_tensors(base.tensors)}
         rng = np.random.default_rng(0)
         calls = [(rng.standard_normal((1, w.k), dtype=np.float32), w, np.empty((1, w.n), dtype=np.float32))
-                 for w in matrices]
+                 for w in (weights.matrix(name, *shape) for name, shape in shapes.items() if len(shape) == 2)]
         mm.set_num_threads(threads)
-        seconds = []
-        for _ in range(passes + 1):   # the first pass warms up and is not counted
-            started = time.perf_counter()
+
+        def one_pass() -> None:
             for x, w, out in calls:
                 mm.matmul(x, w, out)
-            seconds.append(time.perf_counter() - started)
-        return min(seconds[1:])
+
+        return seconds_per_call(one_pass, min_time=1.0)
 
 
 def main() -> int:
