@@ -207,8 +207,10 @@ class Model:
                     stats.text += event.text
                     yield event.text
                 if callback is not None and callback(event.token_id, event.text) is False:
+                    # None when this token also ended the request: its FinishEvent is the next event.
                     finish = self.engine.cancel(request.request_id, "callback")
-                    break
+                    if finish is not None:
+                        break
         finally:
             events.close()
             if finish is None:

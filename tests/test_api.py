@@ -62,6 +62,16 @@ def test_callback_stops_and_stream_matches_generate(smollm2, smollm2_prompts):
     assert streamed == smollm2.generate_text(text, max_tokens=20)
 
 
+def test_a_callback_that_stops_on_the_last_token_gets_the_finished_generation(smollm2, smollm2_prompts):
+    # The callback's False comes on the token that also reaches max_tokens: the request has already finished.
+    prompt = smollm2_prompts["capital"]
+    seen = []
+    stats = smollm2.generate(prompt["text"], max_tokens=4,
+                             callback=lambda tok, piece: (seen.append(tok), len(seen) < 4)[1])
+    assert stats.tokens == seen == prompt["greedy"][:4]
+    assert (stats.text, stats.finish_reason) == (smollm2.decode(prompt["greedy"][:4]), "length")
+
+
 def test_seeded_sampling_is_reproducible(smollm2, smollm2_prompts):
     text = smollm2_prompts["story"]["text"]
     first = smollm2.generate(text, max_tokens=24, temperature=0.9, top_p=0.95, seed=1234).tokens
