@@ -6,6 +6,7 @@ whether its prefix came from the cache, and whether it was preempted for lack of
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -142,3 +143,18 @@ def test_concurrent_requests_compute_a_common_prefix_once(model_path: Path, fres
     assert sorted(cached for _, cached in results.values()) == [0, 192, 192, 192]
     fed = sum(n for plan in plans for _, n in plan.chunks)
     assert fed == sum(len(p) for p in batch) - 3 * 192 + 4 * (MAX_TOKENS - 1)   # nothing computed twice
+
+
+def test_a_prefill_stopped_by_its_deadline_leaves_the_slot_consistent(model_path: Path, fresh):
+    # A budget of 64 tokens a step: the 140-token prompt needs three chunks, and its deadline has passed after one.
+    engine = build_engine(model_path, EngineOptions(max_context=512, continuous_batching=True, prefix_cache=True,
+                                                    token_budget=64))
+    prompt = prompts(engine.info.vocab_size, shared=100, suffix=40, n=1)[0]
+    late = GenerationRequest("late", prompt, MAX_TOKENS, SamplingParams(temperature=0.0), ignore_eos=True,
+                             deadline=time.monotonic())
+    plans: list[StepPlan] = []
+    [finish] = engine.generate(late, plans)
+    assert (finish.finish_reason, finish.timed_out, finish.usage.completion_tokens) == ("length", True, 0)
+    assert [plan.chunks for plan in plans] == [((0, 64),)]
+    # The next request on the slot continues from what the stopped prefill computed, and gets its fresh answer.
+    assert run(engine, [[request("next", prompt)]])["next"] == (fresh(prompt), 64)

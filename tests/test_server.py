@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import trio
 from conftest import FIXTURES, SMOLLM2_API_FLAGS
 
+from basert.actor.actor import ModelActor, QueueTimeoutError
+from basert.actor.messages import Generate
+from basert.engine import EngineOptions, build_engine
+from basert.engine.sampler import SamplingParams
+from basert.engine.scheduler import DEFAULT_TOKEN_BUDGET
+from basert.engine.types import FailEvent, GenerationRequest
 from basert.testing.client import error_envelope, post, sse_events
 from basert.testing.launcher import ServerProcess
 from basert.testing.pool import ServerPool
@@ -286,13 +295,67 @@ def test_files_endpoints(server: ServerProcess):
     assert r.status_code == 404 and r.json()["error"]["code"] == "file_not_found"
 
 
-def test_request_timeout_ends_with_length(smollm2_base: Path, tmp_path: Path):
-    with ServerProcess(smollm2_base, "--max-context", "512", "--request-timeout", "150",
-                       log_path=tmp_path / "log") as proc:
-        result = httpx.post(proc.url + "/v1/completions", timeout=120,
-                            json={"prompt": "Tell a story", "max_tokens": 400, "temperature": 0,
-                                  "ignore_eos": True}).json()
-        assert result["choices"][0]["finish_reason"] == "length"
-        assert 0 < result["usage"]["completion_tokens"] < 400
-        time.sleep(0.2)
-        assert "timed_out" in proc.log_text()
+@pytest.fixture(scope="module")
+def timeout_server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
+    """SmolLM2 on one slot with a 1 ms request timeout: every generation is out of time after its first step,
+    however fast the machine."""
+    log_path = tmp_path_factory.mktemp("timeout") / "log"
+    with ServerProcess(smollm2_base, "--max-context", "1024", "--slots", "1", "--request-timeout", "1",
+                       log_path=log_path) as proc:
+        yield proc
+
+
+def last_access_line(server: ServerProcess, path: str) -> str:
+    time.sleep(0.2)  # the access log line is written once the response is sent
+    return [line for line in server.log_text().splitlines() if f"POST {path} " in line][-1]
+
+
+def test_request_timeout_ends_with_length(timeout_server: ServerProcess):
+    result = httpx.post(timeout_server.url + "/v1/completions", timeout=120,
+                        json={"prompt": "Tell a story", "max_tokens": 400, "temperature": 0,
+                              "ignore_eos": True}).json()
+    assert result["choices"][0]["finish_reason"] == "length"
+    assert 0 < result["usage"]["completion_tokens"] < 400
+    assert last_access_line(timeout_server, "/v1/completions").endswith(" finish=length timed_out")
+
+
+def test_request_timeout_stops_a_long_prompt_between_prefill_chunks(timeout_server: ServerProcess):
+    prompt = list(range(1000, 1000 + DEFAULT_TOKEN_BUDGET + 100))  # two prefill chunks
+    result = httpx.post(timeout_server.url + "/v1/completions", timeout=120,
+                        json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+    assert (result["choices"][0]["text"], result["choices"][0]["finish_reason"]) == ("", "length")
+    assert (result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]) == (len(prompt), 0)
+    assert last_access_line(timeout_server, "/v1/completions").endswith(" finish=length timed_out")
+    # Only the first chunk was computed: that is what the slot holds.
+    assert httpx.get(timeout_server.url + "/slots").json()[0]["cache_tokens"] == DEFAULT_TOKEN_BUDGET
+
+
+def test_a_request_that_waited_for_a_slot_past_its_deadline_is_told_its_real_wait(smollm2_base: Path):
+    # The actor reads its mailbox between steps: a request that arrives during a long step has waited, even if the
+    # actor only sees it when its deadline is long past.
+    actor = ModelActor(build_engine(smollm2_base, EngineOptions(max_context=256, threads=2)))
+    prompt = list(range(1000, 1020))
+
+    async def second_replies() -> list:
+        receivers = []
+        for request_id, deadline in (("first", None), ("second", time.monotonic())):
+            send, receive = trio.open_memory_channel(math.inf)
+            request = GenerationRequest(request_id, prompt, 4, SamplingParams(), deadline=deadline)
+            actor.mailbox.send_nowait(Generate(request, send))
+            receivers.append(receive)
+        await trio.sleep(1.0)  # both wait in the mailbox, as behind a long step
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(actor.run)
+            replies = [reply async for reply in receivers[1]]
+            nursery.cancel_scope.cancel()
+        return replies
+
+    try:
+        [failed] = trio.run(second_replies)
+    finally:
+        actor.close()
+    assert isinstance(failed, FailEvent) and isinstance(failed.error, QueueTimeoutError)
+    # It had its chance at the slot (the first request had it), then timed out: it waited the second and a step.
+    waited = float(re.fullmatch(r"the request waited ([\d.]+) s for a free slot without starting; retry later",
+                                str(failed.error))[1])
+    assert waited >= 1.0

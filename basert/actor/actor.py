@@ -76,7 +76,8 @@ class QueueTimeoutError(UnavailableError, RuntimeError):
     code = "queue_timeout"
 
     def __init__(self, waited: float, retry_after: int):
-        super().__init__(f"the request waited {waited:.0f} s for a free slot without starting; retry later")
+        super().__init__(f"the request waited {waited:.1f} s for a free slot without starting; retry later")
+        self.waited = waited
         self.retry_after = retry_after
 
 
@@ -85,8 +86,9 @@ class Queued:
     """A generation waiting for a slot, and when it stops waiting."""
 
     message: Generate
-    queued_at: float
+    queued_at: float            # when its handler sent it
     expires_at: float
+    missed_a_slot: bool = False  # an admission found no slot for it: only then can it time out waiting for one
 
 
 @dataclass(slots=True)
@@ -196,25 +198,25 @@ class ModelActor:
             self._reply(request_id, FailEvent(request_id, ServerBusyError(self.max_queued, retry_after=1)),
                         final=True)
             return
-        now = trio.current_time()
-        expires_at = now + self.queue_timeout
+        expires_at = message.sent_at + self.queue_timeout
         deadline = message.request.deadline
         if deadline is not None:
             # The request timeout counts from arrival: time spent queued is part of it.
-            expires_at = min(expires_at, now + max(0.0, deadline - time.monotonic()))
-        self.waiting.append(Queued(message, now, expires_at))
+            expires_at = min(expires_at, trio.current_time() + deadline - time.monotonic())
+        self.waiting.append(Queued(message, message.sent_at, expires_at))
 
     def _next_expiry(self) -> float:
         return min((queued.expires_at for queued in self.waiting), default=math.inf)
 
     def _expire_waiting(self) -> None:
-        """Answer queued generations whose wait is over with a 503 (they never started)."""
+        """Answer queued generations whose wait is over with a 503 (they never started). One that has not had
+        its chance at a slot yet (it arrived while a step ran, maybe past its deadline) gets it first."""
         now = trio.current_time()
         if now < self._next_expiry():
             return
         still_waiting: deque[Queued] = deque()
         for queued in self.waiting:
-            if now >= queued.expires_at:
+            if queued.missed_a_slot and now >= queued.expires_at:
                 self.timed_out_in_queue += 1
                 request_id = queued.message.request.request_id
                 error = QueueTimeoutError(now - queued.queued_at, retry_after=1)
@@ -243,6 +245,7 @@ class ModelActor:
             request = queued.message.request
             slot = self.engine.slot_for(request, queued.message.slot_hint)  # a hint is in range: checked on arrival
             if slot is None:
+                queued.missed_a_slot = True
                 still_waiting.append(queued)
                 continue
             try:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -16,6 +16,7 @@ class Generate:
     request: GenerationRequest
     reply: trio.MemorySendChannel
     slot_hint: int | None = None
+    sent_at: float = field(default_factory=trio.current_time)  # a long step may keep it in the mailbox a while
 
 
 @dataclass(frozen=True, slots=True)

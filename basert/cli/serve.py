@@ -56,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-save-interval", type=float, default=0.0, metavar="SEC",
                    help="also save the prefix cache file every SEC seconds (default 0: only at shutdown)")
     p.add_argument("--request-timeout", type=int, default=0, metavar="MS",
-                   help="stop a generation after MS milliseconds (finish_reason length); 0 = never")
+                   help="stop a generation MS milliseconds after it arrived, in the middle of its prompt's prefill "
+                   "too (finish_reason length, with the tokens so far; one still waiting for a slot gets 503 "
+                   "queue_timeout); 0 = never")
     p.add_argument("--log-file", type=Path, help="access log and diagnostics (default: stderr)")
     p.add_argument("--chat-template", type=Path, metavar="FILE", help="override the model's chat template")
     p.add_argument("--files-dir", type=Path, help="enable /v1/files and BaseRT-style slot snapshots")

@@ -206,6 +206,10 @@ class Engine:
             if running.pending:
                 del running.pending[: len(chunk)]
                 self.slots.capture(slot)
+                if running.pending and running.output.out_of_time(now):
+                    # A long prompt must not outlast its request's time: the deadline is checked between chunks.
+                    events.append(self._finish(slot, "length", now))
+                    continue
                 if running.pending or not wants:
                     continue  # more to feed, or recomputed after preemption: decode the token already sampled
                 running.output.prefill_done = now

@@ -49,10 +49,16 @@ class RequestOutput:
             return "stop"
         if len(self.generated) >= request.max_tokens or context_full:
             return "length"
-        if request.deadline is not None and now >= request.deadline:
-            self.timed_out = True
+        if self.out_of_time(now):
             return "length"
         return None
+
+    def out_of_time(self, now: float) -> bool:
+        """Whether the request's deadline has passed (the generation then ends "length", marked timed out)."""
+        if self.request.deadline is None or now < self.request.deadline:
+            return False
+        self.timed_out = True
+        return True
 
     def releasable(self) -> str:
         """Text that can no longer become part of a stop string, not handed out before."""
