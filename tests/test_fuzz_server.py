@@ -35,6 +35,7 @@ def test_fuzz_subset_no_5xx_hang_or_bad_envelope(server: ServerProcess):
     fuzz_server.print_report(result, examples=3, out=report)
     assert result["sent"] >= 300, report.getvalue()
     assert NEWER_ROUTES <= set(result["endpoints"]), report.getvalue()
+    assert {"query", "origin"} <= {word for line in result["log"] for word in line["tag"].split()}
     # A generation that is slow only because a busy machine is slow is not a hang; one never answered is.
     counts = {**result["counts"], "hang": result["counts"]["hang"] - result["hangs_answered_late"]}
     failures = {kind: n for kind, n in counts.items() if n and kind != "health"}
@@ -85,9 +86,13 @@ def test_checks_hold_each_route_to_its_own_error_envelope():
     json_type = {"content-type": "application/json"}
     messages = fuzz_server.Probe(0, "POST /v1/messages", "POST", "/v1/messages")
     chat = fuzz_server.Probe(0, "POST /v1/chat/completions", "POST", "/v1/chat/completions")
+    wrong_method = fuzz_server.Probe(0, "GET /v1/messages/count_tokens", "GET", "/v1/messages/count_tokens?x=1")
+    below = fuzz_server.Probe(0, "unknown route", "POST", "/v1/messages/batches")
+    llama = fuzz_server.Probe(0, "POST /completion", "POST", "/completion?model=x")
     cases = [
         (messages, anthropic, set()), (messages, openai, {"envelope"}), (chat, anthropic, {"envelope"}),
-        (chat, openai, set()),
+        (chat, openai, set()), (wrong_method, anthropic, set()), (wrong_method, openai, {"envelope"}),
+        (below, anthropic, set()), (below, openai, set()), (llama, openai, set()), (llama, anthropic, {"envelope"}),
         (messages, b'{"type": "error", "error": {"type": "invalid_request_error", "message": "m", "param": null}}',
          {"envelope"}),
         (messages, b'{"type": "error", "error": {"type": "bad_request", "message": "m"}}', {"envelope"}),
@@ -115,3 +120,14 @@ def test_checks_find_server_faults_in_each_stream_shape():
         state = fuzz_server.RunState()
         fuzz_server.check(probe, fuzz_server.Outcome(200, stream, body, 0.1), state)
         assert {p.kind for p in state.problems} == kinds, (body, state.problems)
+    # llama.cpp's /completion stream ends a failure with an `error:` line holding the error object alone.
+    llama = fuzz_server.Probe(0, "POST /completion", "POST", "/completion")
+    token = b'data: {"content": "a", "stop": false}\n\n'
+    for line, kinds in [
+        (b'error: {"message": "m", "type": "server_error", "param": null, "code": "internal_error"}', {"stream_error"}),
+        (b'error: {"message": "m", "type": "unavailable_error", "param": null, "code": "draining"}', set()),
+        (b'error: {"message": NaN}', {"bad_json"}),
+    ]:
+        state = fuzz_server.RunState()
+        fuzz_server.check(llama, fuzz_server.Outcome(200, stream, token + line + b"\n\n", 0.1), state)
+        assert {p.kind for p in state.problems} == kinds, (line, state.problems)

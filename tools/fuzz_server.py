@@ -15,16 +15,18 @@ strategies by hypothesis-jsonschema, a pool per schema drawn with a fixed hypoth
 with a `random.Random(seed)`: wrong types, missing fields, huge and negative numbers, NaN/Infinity literals,
 deep nesting, lone surrogates, control characters, unicode digits as logit_bias keys, reserved
 chat_template_kwargs, text parts without text, id_slot outside the slots, wrong content types, invalid UTF-8,
-bodies over the size limit, bad Authorization headers, path traversal, wrong methods and unknown routes.
+bodies over the size limit (on every route that reads one), bad Authorization headers, cross-origin Origin
+headers, hostile query strings, path traversal, wrong methods and unknown routes.
 A fixed list of hand-written hostile cases (some sent as raw bytes over TCP) is always included. The same
 --seed, --requests and server (model id, slots, context) give the same requests.
 
 Checks, per response: status < 500 except 503 (with Retry-After when the code is server_busy), 507, and the
 documented 501 not_supported; every error body is the OpenAI envelope {"error": {"message", "type", "param",
-"code"}} (on the Anthropic routes exactly Anthropic's {"type": "error", "error": {"type", "message"}}) as strict
-JSON (no NaN, no lone surrogates) with no traceback or source path in it; 2xx JSON bodies and SSE events are
-strict JSON and no stream reports a server fault (OpenAI's server_error, Anthropic's api_error, the Responses
-API's error or response.failed with code server_error); nothing takes longer than
+"code"}} (the llama.cpp routes' too, as the server documents them; on the Anthropic routes, whatever the method,
+exactly Anthropic's {"type": "error", "error": {"type", "message"}}) as strict JSON (no NaN, no lone
+surrogates) with no traceback or source path in it; 2xx JSON bodies and SSE events (llama.cpp's `error:` lines
+included) are strict JSON and no stream reports a server fault (OpenAI's server_error, Anthropic's api_error, the
+Responses API's error or response.failed with code server_error); nothing takes longer than
 --timeout; after an error response the same keep-alive connection still answers. Throughout: /health answers
 200 within 1 s (polled every 0.5 s). At the end: the server is alive and no slot is left processing.
 Prints a table and the first offending requests; exits 1 on any failure. --json FILE writes the results.
@@ -60,8 +62,10 @@ FAILURE_KINDS = ("5xx", "hang", "envelope", "leak", "bad_json", "stream_error", 
                  "keepalive", "health", "busy_slot", "dead")
 FILE_ID = "@FILE_ID@"              # replaced at send time by the id of a file this run uploaded
 RESPONSE_ID = "@RESPONSE_ID@"      # replaced at send time by the id of a response this run stored
-# Routes that answer errors in Anthropic's envelope {"type": "error", "error": {"type", "message"}}.
-ANTHROPIC_ENDPOINTS = frozenset({"POST /v1/messages", "POST /v1/messages/count_tokens"})
+# Routes that answer every error (wrong methods included) in Anthropic's envelope {"type": "error", "error":
+# {"type", "message"}}; a path below them that no API defines may answer in either envelope.
+ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+ANTHROPIC_PREFIX = "/v1/messages/"
 ANTHROPIC_ERROR_TYPES = frozenset({"invalid_request_error", "authentication_error", "permission_error",
                                    "not_found_error", "request_too_large", "rate_limit_error", "api_error",
                                    "overloaded_error", "timeout_error"})
@@ -375,6 +379,15 @@ AUTH_HEADERS: list[tuple[str, str | bytes]] = [
     ("X-Api-Key", "x" * 10000), ("X-Api-Key", ""), ("Authorization", "Bearer a, Bearer b"),
     ("Authorization", b"Bearer \xc3\xa9"), ("Authorization", "Token abc"),
 ]
+# Query strings added to requests of every route: the server reads few (model, action, purpose, fail_on_no_slot),
+# none of which may turn a request into a fault.
+QUERIES: list[str] = [
+    "model=%00", "model=nope", "model=%ff%fe", "model=%ed%a0%80", "model=" + "m" * 5000, "stream=true",
+    "n_predict=999999", "fail_on_no_slot=1", "action=erase", "purpose=%00", "x=" + "y" * 3000, "%zz=%zz",
+    "a=1&a=2&a=3", "=&&=", ";", "%00", "x=%0d%0aX-Injected:%201", "api_key=x", "key=" + "%ff" * 100,
+]
+ORIGINS: list[str | bytes] = ["http://evil.example", "null", "http://127.0.0.1.evil.example", "file://",
+                              "http://[::1]:1", "x" * 3000, b"http://\xff"]
 UNKNOWN_ROUTES: list[tuple[str, str]] = [
     ("POST", "/v1/batches"), ("GET", "/v1/batches/x"), ("POST", "/v1/audio/transcriptions"),
     ("POST", "/v2/chat/completions"), ("POST", "/v1/chat/completions/"), ("GET", "//v1//models"),
@@ -677,6 +690,8 @@ class ProbeFactory:
         probe.tag += f" bytes:{kind}"
 
     def with_headers(self, probe: Probe, rng: random.Random) -> Probe:
+        """Sometimes a hostile header (content type, credentials, Accept, a cross-origin Origin) and sometimes a
+        hostile query string."""
         if probe.raw is not None:
             return probe
         roll = rng.random()
@@ -690,6 +705,12 @@ class ProbeFactory:
         elif roll < 0.12:
             probe.headers["Accept"] = rng.choice(["text/event-stream", "application/xml", "\u00e9".encode("latin-1")])
             probe.tag += " accept"
+        elif roll < 0.15:
+            probe.headers["Origin"] = rng.choice(ORIGINS)
+            probe.tag += " origin"
+        if rng.random() < 0.08:
+            probe.path += ("&" if "?" in probe.path else "?") + rng.choice(QUERIES)
+            probe.tag += " query"
         return probe
 
     # --- endpoint families ----
@@ -1308,6 +1329,19 @@ class ProbeFactory:
                   tag="hostile over limit anthropic"),
             Probe(0, "POST /v1/embeddings", "POST", "/v1/embeddings", body=b'{"input": "' + b"a" * over + b'"}',
                   headers=json_type, tag="hostile over limit embeddings"),
+            *[Probe(0, f"POST {path}", "POST", path, body=big, headers=json_type, chunked=chunked,
+                    tag="hostile over limit" + (" chunked" if chunked else ""))
+              for path in ("/completion", "/v1/responses", "/apply-template", "/v1/messages/count_tokens",
+                           "/v1/chat/completions/input_tokens", "/props") for chunked in (False, True)],
+            Probe(0, "POST /completion", "POST", "/completion?q=" + "x" * 8000, headers=json_type,
+                  body=b'{"prompt": "hi", "n_predict": 1}', tag="hostile long query"),
+            Probe(0, "GET /props", "GET", "/props?model=" + "m" * 8000, tag="hostile long query"),
+            Probe(0, "POST /apply-template", "POST", "/apply-template?messages=%5B%5D&model=%00",
+                  body=b'{"messages": [{"role": "user", "content": "hi"}]}', headers=json_type,
+                  tag="hostile query"),
+            Probe(0, "POST /v1/messages", "POST", "/v1/messages?beta=true&model=%ff",
+                  body=b'{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}', headers=json_type,
+                  tag="hostile query"),
             Probe(0, "GET /v1/messages", "GET", "/v1/messages", tag="hostile wrong method"),
             Probe(0, "PUT /v1/responses/{id}", "PUT", "/v1/responses/" + RESPONSE_ID, body=b"{}", headers=json_type,
                   tag="hostile wrong method"),
@@ -1617,6 +1651,17 @@ def envelope_problem(body: bytes, headers: dict[str, str], api: str = "openai") 
     return None
 
 
+def error_apis(probe: Probe) -> tuple[str, ...]:
+    """The error envelopes a probe's answer may have: Anthropic's on its Messages routes (any method), either below
+    them on a path no API defines, OpenAI's everywhere else (the llama.cpp routes included, as the server
+    documents)."""
+    route = probe.path if probe.endpoint == "unknown route" else probe.endpoint.partition(" ")[2]
+    route = route.partition("?")[0]
+    if route in ANTHROPIC_ROUTES:
+        return ("anthropic",)
+    return ("openai", "anthropic") if route.startswith(ANTHROPIC_PREFIX) else ("openai",)
+
+
 def anthropic_envelope_problem(value: Any, body: bytes) -> str | None:
     """Why a parsed error body is not exactly Anthropic's {"type": "error", "error": {"type", "message"}}, or None."""
     if not isinstance(value, dict) or value.get("type") != "error" or set(value) - {"type", "error", "request_id"}:
@@ -1658,9 +1703,9 @@ def check(probe: Probe, outcome: Outcome, state: RunState, timeout: float = math
     if status == 503 and "server_busy" in error_code(body) and "retry-after" not in headers:
         state.problem("retry_after", probe, status, "503 server_busy without Retry-After")
     if status >= 400 and probe.method != "HEAD" and not (probe.protocol and status < 500):
-        problem = envelope_problem(body, headers, "anthropic" if probe.endpoint in ANTHROPIC_ENDPOINTS else "openai")
-        if problem:
-            state.problem("envelope", probe, status, problem)
+        problems = [envelope_problem(body, headers, api) for api in error_apis(probe)]
+        if all(problems):
+            state.problem("envelope", probe, status, problems[0])
     if status >= 400 and LEAK.search(body.decode("utf-8", errors="replace")):
         state.problem("leak", probe, status, body[:300].decode("utf-8", errors="replace"))
     if 200 <= status < 300 and probe.method not in ("HEAD", "OPTIONS") and probe.raw is None:
@@ -1709,10 +1754,14 @@ def allowed_5xx(status: int, body: bytes, headers: dict[str, str]) -> bool:
 
 
 def sse_payloads(body: bytes, complete: bool) -> list[str]:
+    """The payloads of a stream's `data:` lines, and of llama.cpp's `error:` lines (/completion: the error object
+    alone) wrapped as {"error": ...}, so that the same checks read both."""
     events = body.decode("utf-8", errors="replace").split("\n\n")
     if not complete:
         events = events[:-1]   # the last one may be cut off where we stopped reading
-    return [line[6:] for event in events for line in event.split("\n") if line.startswith("data: ")]
+    lines = [line for event in events for line in event.split("\n")]
+    return [line[6:] if line.startswith("data: ") else '{"error": ' + line[7:] + "}" for line in lines
+            if line.startswith(("data: ", "error: "))]
 
 
 # --- the run ------------------------------------------------------------------------------------
