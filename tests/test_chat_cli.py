@@ -62,7 +62,8 @@ def test_help_explains_the_commands_and_flags():
     text = subcommand_parsers(build_parser())["chat"].format_help()
     for word in ("/clear", "/system TEXT", "/help", "/exit", "/quit", "Ctrl-D", "Ctrl-C", "130", "--system",
                  "--no-think", "enable_thinking", "--max-tokens", "--temperature", "--max-context",
-                 "--threads", "--chat-template", "prefill", "decode", "smollm2"):
+                 "--threads", "--chat-template", "prefill", "decode", "smollm2", "bracketed paste", "backslash",
+                 '"""'):
         assert word in text, word
 
 
@@ -83,6 +84,19 @@ def test_a_piped_conversation_keeps_its_history_and_obeys_commands(smollm2_base:
     # The second turn sent the first one again, and reused its computation.
     first_line, second_line, _ = SPEED_LINE.findall(result.stdout)
     assert int(second_line[0]) > int(first_line[0]) and int(second_line[1]) > 0
+
+
+def test_a_message_goes_on_after_a_backslash_and_inside_triple_quotes(smollm2_base: Path, smollm2):
+    lines = ["Complete this list:   \\", "- apples", '"""Explain this code:', "    def f(x):", "        return 2 * x",
+             '"""', "/exit"]
+    result = run_chat(str(smollm2_base), *FLAGS, lines=lines)
+    assert result.returncode == 0, result.stderr
+
+    first = [{"role": "user", "content": "Complete this list:\n- apples"}]
+    first_reply = smollm2.chat(first, max_tokens=16)
+    second = [*first, first_reply.message(),
+              {"role": "user", "content": "Explain this code:\n    def f(x):\n        return 2 * x"}]
+    assert speeds(result.stdout) == reply_text(first_reply) + reply_text(smollm2.chat(second, max_tokens=16))
 
 
 def test_reasoning_is_shown_before_the_answer(qwen35_chat_base: Path):
@@ -148,6 +162,28 @@ def test_on_a_terminal_ctrl_c_stops_a_reply_and_ctrl_d_leaves(smollm2_base: Path
         terminal.type(b"/system\n")
         assert b"no system prompt" in terminal.read_until(b">>> ")
         terminal.type(b"\x04")                              # Ctrl-D
+        assert terminal.process.wait(timeout=60) == 0
+    finally:
+        rest = terminal.close()
+    assert b"Traceback" not in rest
+
+
+def test_on_a_terminal_pasted_lines_are_one_message(smollm2_base: Path, smollm2):
+    pasted = "Translate to French:\nGood morning\nGood night"
+    prompt_tokens = smollm2.chat([{"role": "user", "content": pasted}], max_tokens=4).stats.prompt_tokens
+    terminal = Terminal(str(smollm2_base), "--max-tokens", "4", "--threads", "2")
+    try:
+        terminal.read_until(b">>> ")
+        # A terminal wraps a paste in bracketed-paste marks when the program asks for them.
+        terminal.type(b"\x1b[200~" + pasted.encode() + b"\x1b[201~")
+        terminal.type(b"\r")
+        reply = terminal.read_until(b">>> ")
+        assert reply.count(b"[prefill") == 1 and f"[prefill {prompt_tokens} tok @".encode() in reply, reply
+        terminal.type(b"Say \\\r")
+        assert terminal.read_until(b"... ")              # the line goes on
+        terminal.type(b"hi\r")
+        assert terminal.read_until(b">>> ").count(b"[prefill") == 1
+        terminal.type(b"\x04")
         assert terminal.process.wait(timeout=60) == 0
     finally:
         rest = terminal.close()

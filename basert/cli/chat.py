@@ -6,7 +6,7 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -15,13 +15,22 @@ from basert.errors import BaseRTError
 if TYPE_CHECKING:
     from basert.api import ChatDelta, GenerationStats, Model
 
-COMMANDS = """\
+COMMANDS = '''\
 commands:
   /clear          forget the conversation (the system prompt stays)
   /system TEXT    set the system prompt and start a new conversation
   /system         show the system prompt
   /help           show this help
-  /exit, /quit    leave (so does Ctrl-D, or the end of piped input)"""
+  /exit, /quit    leave (so does Ctrl-D, or the end of piped input)
+a message of several lines:
+  paste it        pasted lines stay one message (on terminals with bracketed paste, most of them)
+  TEXT \\          a line that ends with a backslash goes on on the next line
+  """ ... """     a message that starts with three double quotes goes on until a line ends with them'''
+
+PROMPT = ">>> "
+CONTINUED = "... "      # the prompt of a line that continues a message
+LINE_GOES_ON = "\\"
+BLOCK_QUOTE = '"""'
 
 DIM = "\033[2m"
 RESET = "\033[0m"
@@ -91,14 +100,20 @@ class ChatSession:
         self.options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
                         "enable_thinking": False if args.no_think else None}
 
-    def handle(self, line: str) -> bool:
-        """Act on one line of input: a command or a message; False when the session ends."""
-        text = line.strip()
-        if not text:
+    def handle(self, typed: str) -> bool:
+        """Act on what was typed (one line, or the lines of one message): a command or a message; False when the
+        session ends."""
+        lines = [line.rstrip() for line in typed.split("\n")]
+        while lines and not lines[0].strip():
+            lines.pop(0)
+        while lines and not lines[-1]:
+            lines.pop()
+        if not lines:
             return True
-        if text.startswith("/"):
-            return self.command(text)
-        self.answer(text)
+        if len(lines) == 1 and lines[0].lstrip().startswith("/"):
+            return self.command(lines[0].strip())
+        # A message of one line loses its indentation; one of several keeps it (code, a poem, a table).
+        self.answer(lines[0].strip() if len(lines) == 1 else "\n".join(lines))
         return True
 
     def command(self, text: str) -> bool:
@@ -149,19 +164,55 @@ class ChatSession:
         self.out.flush()
 
 
-def read_lines(interactive: bool) -> Iterator[str]:
-    """Lines of input: through readline with a prompt on a terminal, plain lines from a pipe."""
-    if interactive:
-        import readline  # noqa: F401  (line editing and history for input())
+def read_messages(next_line: Callable[[str], str | None]) -> Iterator[str]:
+    """The messages in the input, each one line or several: a line that ends with a backslash goes on on the next
+    one, and a message that starts with three double quotes runs until a line ends with them. `next_line(prompt)`
+    is the next line of input, without its newline, or None at its end."""
+    while (line := next_line(PROMPT)) is not None:
+        if line.lstrip().startswith(BLOCK_QUOTE):
+            yield quoted_block(line.lstrip()[len(BLOCK_QUOTE):], next_line)
+            continue
+        lines = []
+        while line is not None and line.endswith(LINE_GOES_ON):
+            lines.append(line[:-len(LINE_GOES_ON)])
+            line = next_line(CONTINUED)
+        yield "\n".join([*lines, line or ""])
 
-        while True:
-            try:
-                yield input(">>> ")
-            except EOFError:
-                print()
-                return
-    else:
-        yield from sys.stdin
+
+def quoted_block(first: str, next_line: Callable[[str], str | None]) -> str:
+    """The text of a message that opened with three double quotes (`first`: the rest of its first line), up to
+    the line that ends with them, or to the end of the input."""
+    lines = []
+    line: str | None = first
+    while line is not None and not line.rstrip().endswith(BLOCK_QUOTE):
+        lines.append(line)
+        line = next_line(CONTINUED)
+    if line is not None:
+        lines.append(line.rstrip()[:-len(BLOCK_QUOTE)])
+    return "\n".join(lines)
+
+
+def terminal_line(prompt: str) -> str | None:
+    """A line typed at the terminal, with line editing and history; a paste of several lines stays one line."""
+    try:
+        return input(prompt)
+    except EOFError:
+        print()
+        return None
+
+
+def piped_line(prompt: str) -> str | None:
+    """A line of piped input (no prompt is shown)."""
+    line = sys.stdin.readline()
+    return line.removesuffix("\n") if line else None
+
+
+def enable_line_editing() -> None:
+    """Line editing and history for input(), and bracketed paste (off in some readline setups) so that pasted lines
+    arrive as one message instead of one message each."""
+    import readline
+
+    readline.parse_and_bind("set enable-bracketed-paste on")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -179,9 +230,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         session = ChatSession(model, args, sys.stdout, color)
         if interactive:
             print(f"chatting with {model.info.id}: /help for commands, Ctrl-D to leave", file=sys.stderr)
+        if interactive:
+            enable_line_editing()
         try:
-            for line in read_lines(interactive):
-                if not session.handle(line):
+            for message in read_messages(terminal_line if interactive else piped_line):
+                if not session.handle(message):
                     break
         except KeyboardInterrupt:  # Ctrl-C at the prompt
             print(file=sys.stderr)
@@ -190,7 +243,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 DESCRIPTION = """\
-Talk with a model: each line you type is a user message, and the reply streams as it is generated.
+Talk with a model: each line you type is a user message (for one of several lines, paste them, end a
+line with a backslash, or wrap them in three double quotes), and the reply streams as it is generated.
 The conversation is rendered through the model's chat template and the reply parsed exactly as the
 server's /v1/chat/completions does it. Reasoning (the <think> text of models that think) is shown dim,
 before the answer. After each reply, a dim line shows the prompt tokens (with those reused from the
@@ -205,7 +259,8 @@ EPILOG = f"""\
 
 Ctrl-C during a reply stops it, and that turn is not kept; Ctrl-C at the prompt leaves with exit
 status 130. Without a terminal, lines are read from standard input with no prompt (so a conversation
-can be piped in), and the end of the input leaves with exit status 0."""
+can be piped in; a backslash and three double quotes join lines there too), and the end of the input
+leaves with exit status 0."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
