@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 from test_engine_slots import make_engine, request, run
 
+from basert.cli.serve import add_arguments, engine_options
+from basert.engine import EngineOptions, build_engine
 from basert.engine.kv import BLOCK_SIZE
 from basert.engine.prefix_cache import PrefixCache
 from basert.engine.runner import ModelRunner
@@ -79,7 +82,46 @@ def test_damaged_and_foreign_files_are_refused_without_side_effects(tiny_f32_bas
 
 
 def test_file_name_is_flat_beside_the_path(tmp_path: Path):
+    assert prefix_cache_file(tmp_path / "pc", None) == tmp_path / "pc"
     assert prefix_cache_file(tmp_path / "pc", "org/name") == tmp_path / "pc.org--name"
+    assert prefix_cache_file(tmp_path / "pc", None, 3) == tmp_path / "pc.3"
+    assert prefix_cache_file(tmp_path / "pc", "org/name", 3) == tmp_path / "pc.org--name.3"
+
+
+def serve_options(*flags: str) -> EngineOptions:
+    """The engine options `basert serve` gives a model for these flags."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return engine_options(parser.parse_args(flags))
+
+
+@pytest.mark.parametrize("replica", [(), ("--replica", "1")])
+def test_a_server_of_one_model_keeps_its_cache_in_the_file_named_and_adopts_its_old_file(
+        replica: tuple[str, ...], tiny_f32_bases: dict[str, Path], tmp_path: Path):
+    model = tiny_f32_bases["qwen3-tiny"]
+    engine, _ = filled_engine(model)
+    suffix = "".join(f".{rank}" for rank in replica[1:])
+    old = tmp_path / f"pc.{engine.info.id}{suffix}"      # where a server of one model kept it before
+    saved = save_prefix_cache(engine.runner, engine.prefix_cache, old)
+    served = build_engine(model, serve_options(str(model), "--prefix-cache-file", str(tmp_path / "pc"), *replica))
+    assert served.prefix_cache_file == tmp_path / f"pc{suffix}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"pc{suffix}"]   # renamed, once
+    assert served.load_prefix_cache() == saved
+    assert served.save_prefix_cache() == saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"pc{suffix}"]
+    # Once PATH exists, a file under the old name is left alone.
+    old.write_bytes(b"another file")
+    build_engine(model, serve_options(str(model), "--prefix-cache-file", str(tmp_path / "pc"), *replica))
+    assert load_prefix_cache(*empty_cache(model), tmp_path / f"pc{suffix}") == saved
+    assert old.read_bytes() == b"another file"
+
+
+def test_each_of_several_models_keeps_its_cache_in_a_file_of_its_own(tiny_f32_bases: dict[str, Path],
+                                                                      tmp_path: Path):
+    models = [str(tiny_f32_bases[name]) for name in ("qwen3-tiny", "qwen3_5-tiny")]
+    options = serve_options(models[0], "--model", models[1], "--prefix-cache-file", str(tmp_path / "pc"))
+    files = [build_engine(model, options).prefix_cache_file for model in models]
+    assert files == [tmp_path / "pc.qwen3-tiny", tmp_path / "pc.qwen3_5-tiny"]
 
 
 def test_a_load_first_removes_the_temp_files_of_killed_saves_of_this_file_only(tiny_f32_bases: dict[str, Path],

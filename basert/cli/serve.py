@@ -51,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share the KV (and hybrid recurrent snapshots) of common prompt prefixes between "
                    "requests; implies --paged-kv (default on)")
     p.add_argument("--prefix-cache-file", type=Path, metavar="PATH",
-                   help="persist the prefix cache per model to PATH.<model id, '/' -> '--'>: loaded at start, "
-                   "saved at shutdown; implies --prefix-cache")
+                   help="persist the prefix cache in the file PATH (serving several models, each in "
+                   "PATH.<model id, '/' -> '--'>): loaded at start, saved at shutdown; implies --prefix-cache "
+                   "(serving one model, a PATH.<model id> file that earlier versions wrote is renamed to PATH once)")
     p.add_argument("--prefix-cache-save-interval", type=float, default=0.0, metavar="SEC",
                    help="also save the prefix cache file every SEC seconds (default 0: only at shutdown)")
     p.add_argument("--request-timeout", type=int, default=0, metavar="MS",
@@ -91,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(first token); the vector is L2-normalised (default mean)")
     p.add_argument("--replica", type=int, metavar="K",
                    help="serve as replica K of a cluster (`basert cluster` sets it): the prefix cache file becomes "
-                   "PATH.<model id>.<K>, so a restarted replica warms from its own cache")
+                   "PATH.<K> (PATH.<model id>.<K> with several models), so a restarted replica warms from its own "
+                   "cache")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="drain and stop, as on SIGTERM, when the process that started this one exits (a cluster "
                    "replica's server must not outlive its replica)")
@@ -122,7 +124,7 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return "--rate-limit must be >= 0"
     if args.drain_timeout < 0:
         return "--drain-timeout must be >= 0"
-    if args.alias and len(args.model) + bool(args.model_arg) > 1:
+    if args.alias and len(model_specs(args)) > 1:
         return "--alias names the one served model: it cannot be used with several models"
     return None
 
@@ -149,6 +151,11 @@ def read_api_keys(args: argparse.Namespace) -> list[str]:
     return keys
 
 
+def model_specs(args: argparse.Namespace) -> list[str]:
+    """The models to serve as the command line names them: MODEL, then each --model."""
+    return ([args.model_arg] if args.model_arg else []) + list(args.model)
+
+
 def engine_options(args: argparse.Namespace):
     """The engine's part of the flags."""
     from basert.engine.build import EngineOptions
@@ -166,6 +173,7 @@ def engine_options(args: argparse.Namespace):
         threads=args.threads,
         prefix_cache=args.prefix_cache is not False,
         prefix_cache_file=args.prefix_cache_file,
+        one_of_several=len(model_specs(args)) > 1,
         replica=args.replica,
         verify_checksums=args.verify_checksums,
         pooling=args.pooling,
@@ -260,7 +268,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.slot_save_path:
         args.slot_save_path.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(args.slot_save_path)
-    specs = ([args.model_arg] if args.model_arg else []) + list(args.model)
+    specs = model_specs(args)
     catalog = ModelCatalog()
     for spec in specs or [None]:
         path = model_path_for(spec)

@@ -7,6 +7,7 @@ Python API, the CLI, the tools and the tests all build engines here, so they all
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,9 +19,11 @@ from basert.engine.info import ModelInfo
 from basert.engine.kv import blocks_for
 from basert.engine.prefix_cache import PrefixCache
 from basert.engine.runner import ModelRunner
-from basert.engine.saved_state import prefix_cache_file
+from basert.engine.saved_state import adopt_prefix_cache_file, prefix_cache_file
 from basert.engine.scheduler import DEFAULT_TOKEN_BUDGET
 from basert.tokenizer import Tokenizer
+
+log = logging.getLogger("basert.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +38,9 @@ class EngineOptions:
     kv_bits: int = 16                   # KV element width: 16 or 32
     threads: int | None = None          # default: every core this process may run on
     prefix_cache: bool = False
-    prefix_cache_file: Path | None = None  # PATH: the cache persists in PATH.<model id>
-    replica: int | None = None          # a cluster replica's rank: the cache file is PATH.<model id>.<rank>
+    prefix_cache_file: Path | None = None  # PATH: the cache persists in PATH (PATH.<model id> for one of several)
+    one_of_several: bool = False        # the server serves other models too, each with a file of its own
+    replica: int | None = None          # a cluster replica's rank: `.<rank>` after the cache file's name
     verify_checksums: bool = True
     model_id: str | None = None         # default: see model_id_for
     token_budget: int = DEFAULT_TOKEN_BUDGET
@@ -101,13 +105,29 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
                          hidden_size=runner.hidden_size, pooling=options.pooling, features=frozenset(features))
         cache_file = None
         if options.prefix_cache_file:
-            cache_file = prefix_cache_file(options.prefix_cache_file, model_id, options.replica)
+            cache_file = cache_file_of(options, model_id)
         return Engine(runner, tokenizer, info, prefix_cache=prefix_cache, prefix_cache_file=cache_file,
                       max_running=options.n_slots if options.continuous_batching else 1,
                       token_budget=options.token_budget)
     except BaseException:
         runner.close()
         raise
+
+
+def cache_file_of(options: EngineOptions, model_id: str) -> Path:
+    """The model's prefix cache file; a server of one model adopts the file it kept under its old name."""
+    base = options.prefix_cache_file
+    if options.one_of_several:
+        return prefix_cache_file(base, model_id, options.replica)
+    path = prefix_cache_file(base, None, options.replica)
+    old = prefix_cache_file(base, model_id, options.replica)
+    try:
+        if adopt_prefix_cache_file(old, path):
+            log.info("Prefix cache: renamed %s to %s (a server of one model keeps its cache in the file named)",
+                     old, path)
+    except OSError as exc:
+        log.warning("Prefix cache: could not rename %s to %s: %s", old, path, exc)
+    return path
 
 
 def tokenizer_of(tokenizer_object: dict) -> Tokenizer | None:

@@ -245,11 +245,20 @@ def restore_slot(runner: ModelRunner, slots: Slots, slot: Slot, path: Path) -> S
 
 # --- prefix cache files ---------------------------------------------------------------------------------
 
-def prefix_cache_file(base: Path, model_id: str, replica: int | None = None) -> Path:
-    """`base.<model id>` (`base.<model id>.<replica>` for a cluster's replica), one flat file beside `base` ("/" in
-    the id becomes "--")."""
-    suffix = "" if replica is None else f".{replica}"
-    return base.with_name(f"{base.name}.{model_id.replace('/', '--')}{suffix}")
+def prefix_cache_file(base: Path, model_id: str | None, replica: int | None = None) -> Path:
+    """The cache file of a server's model: `base` itself when it serves one model (model_id None), else
+    `base.<model id>` ("/" in the id becomes "--"); a cluster's replica K adds `.<K>`. One flat file beside `base`."""
+    name = base.name if model_id is None else f"{base.name}.{model_id.replace('/', '--')}"
+    return base.with_name(name if replica is None else f"{name}.{replica}")
+
+
+def adopt_prefix_cache_file(old: Path, path: Path) -> bool:
+    """Rename the file a server of one model kept its cache in before (`base.<model id>`) to its name now, once:
+    only while `path` does not exist. Whether it did; raises OSError when the rename fails."""
+    if path.exists() or not old.is_file():
+        return False
+    old.replace(path)
+    return True
 
 
 def save_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> int:
