@@ -44,6 +44,8 @@ def cluster(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
     yield started
     code = started.stop()
     assert code == 0, started.log_text()[-4000:]
+    # Each replica of a one-model cluster saved its prefix cache in PATH.<K> as it stopped.
+    assert sorted(p.name for p in root.glob("pc*")) == ["pc.0", "pc.1"]
 
 
 def client_of(url: str) -> OpenAI:
