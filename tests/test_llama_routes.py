@@ -12,7 +12,9 @@ import httpx
 import pytest
 from conftest import FIXTURES, SMOLLM2_API_FLAGS
 
+import basert
 from basert.engine.info import ModelInfo
+from basert.engine.runner import model_fingerprint
 from basert.server.catalog import ModelCatalog, ServedModel
 from basert.server.errors import ApiError
 from basert.server.llama_api import RANDOM_SEED
@@ -185,8 +187,40 @@ def test_id_slot_cache_prompt_and_slots_listing(server: ServerProcess):
         "id": 0, "model": model_id(server), "is_processing": False, "n_ctx": 512, "request_id": None,
         "id_task": -1, "speculative": False}
     assert slot["cache_tokens"] == slot["cache_position"] == len(CAPITAL["input_ids"]) + 1
-    assert slot["params"]["temperature"] == 0.8 and slot["next_token"]["has_next_token"] is False
+    assert slot["params"]["temperature"] == 0.8
+    # llama.cpp lists next_token as a one-element array.
+    assert slot["next_token"] == [{"has_next_token": False, "has_new_line": False, "n_remain": -1, "n_decoded": 0,
+                                   "stopping_word": ""}]
     assert httpx.get(server.url + "/slots", params={"fail_on_no_slot": 1}).status_code == 200
+
+
+def test_slots_that_never_ran_a_request_have_no_task_fields(smollm2_base: Path, tmp_path: Path):
+    # A fresh server of its own: the pool's servers keep the slots earlier modules used.
+    task_fields = {"id_task", "params", "next_token"}
+    with ServerProcess(smollm2_base, "--max-context", "256", "--threads", "2", "--slots", "2",
+                       log_path=tmp_path / "server.log") as fresh:
+        assert [task_fields & set(slot) for slot in answer(httpx.get(fresh.url + "/slots"))] == [set(), set()]
+        answer(post(fresh.url, "/completion", {**GREEDY, "n_predict": 1, "id_slot": 1}))
+        unused, used = answer(httpx.get(fresh.url + "/slots"))
+        assert (task_fields & set(unused), unused["has_run"], used["has_run"]) == (set(), False, True)
+        assert used["params"] == answer(httpx.get(fresh.url + "/props"))["default_generation_settings"]["params"]
+        assert (used["id_task"], used["next_token"][0]["has_next_token"]) == (-1, False)
+
+
+def test_decode_rate_is_over_the_decode_steps(server: ServerProcess):
+    # n generated tokens take n - 1 decode steps (the first comes from the prefill's logits), and predicted_ms
+    # runs from the first token to the last, whether generation ends at the limit or at the end of sequence.
+    one = answer(post(server.url, "/completion", {**GREEDY, "n_predict": 1}))["timings"]
+    assert [one[k] for k in ("predicted_n", "predicted_ms", "predicted_per_second", "predicted_per_token_ms")] == [
+        1, 0.0, 0.0, 0.0]
+    limit = answer(post(server.url, "/completion", GREEDY))
+    prompt = answer(post(server.url, "/apply-template", {"messages": HELLO}))["prompt"]
+    eos = answer(post(server.url, "/completion", {"prompt": prompt, "n_predict": 64, "temperature": 0}))
+    assert (limit["stop_type"], eos["stop_type"]) == ("limit", "eos")
+    for timings in (limit["timings"], eos["timings"]):
+        steps = timings["predicted_n"] - 1
+        assert timings["predicted_per_second"] == 1000 * steps / timings["predicted_ms"]
+        assert timings["predicted_per_token_ms"] == timings["predicted_ms"] / steps
 
 
 def test_context_overflow_has_both_error_types(server: ServerProcess):
@@ -225,6 +259,30 @@ def test_apply_template_and_input_tokens(server: ServerProcess):
     assert (chat["usage"]["prompt_tokens"], chat["model"]) == (len(ids), model_id(server))
     rendered = answer(post(server.url, "/completion", {"prompt": prompt, "n_predict": 3, "temperature": 0}))
     assert rendered["content"] == chat["choices"][0]["message"]["content"]
+
+
+def test_continuing_a_message_and_opening_a_turn_is_400(server: ServerProcess):
+    body = {"messages": [*HELLO, {"role": "assistant", "content": "Hi"}], "continue_final_message": True}
+    for path in ("/apply-template", "/v1/chat/completions"):
+        error = error_envelope(post(server.url, path, {**body, "add_generation_prompt": True}), 400)
+        assert (error["type"], error["param"]) == ("invalid_request_error", "continue_final_message")
+    # Either one alone is fine: continuing the message is the default.
+    continued = answer(post(server.url, "/apply-template", body))["prompt"]
+    assert continued.endswith("<|im_start|>assistant\nHi")
+    assert answer(post(server.url, "/apply-template", {**body, "add_generation_prompt": False}))["prompt"] == continued
+    opened = answer(post(server.url, "/apply-template", {**body, "continue_final_message": False,
+                                                         "add_generation_prompt": True}))["prompt"]
+    assert opened.endswith("<|im_start|>assistant\n") and opened != continued
+
+
+def test_system_fingerprint_in_llamas_build_tag_form(server: ServerProcess, smollm2_base: Path):
+    expected = f"b{basert.__version__}-{model_fingerprint(smollm2_base)}"
+    chat = {"messages": HELLO, "max_tokens": 1}
+    assert answer(post(server.url, "/v1/chat/completions", chat))["system_fingerprint"] == expected
+    assert answer(post(server.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}))["system_fingerprint"] == \
+        expected
+    _, events = stream(server.url, "/v1/chat/completions", chat)
+    assert {event["system_fingerprint"] for event in events if event != "[DONE]"} == {expected}
 
 
 def test_routes_without_v1_and_any_model_name(server: ServerProcess):

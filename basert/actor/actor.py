@@ -396,7 +396,8 @@ class ModelActor:
     def slot_list(self) -> list[dict]:
         return [{"id": slot.index, "model": self.info.id, "is_processing": slot.busy,
                  "cache_tokens": slot.sequence.n_past, "cache_position": slot.sequence.n_past,
-                 "n_ctx": self.info.n_ctx, "request_id": self.slot_requests.get(slot.index)}
+                 "n_ctx": self.info.n_ctx, "request_id": self.slot_requests.get(slot.index),
+                 "has_run": slot.busy or slot.last_used > 0}
                 for slot in self.engine.slots]
 
 

@@ -18,8 +18,8 @@ class RequestOutput:
     """The output side of one running request."""
 
     __slots__ = ("request", "detokenizer", "generated", "text", "released", "cached_tokens", "started",
-                 "prefill_started", "prefill_done", "first_token_at", "timed_out", "stop_word", "stop_after_seen",
-                 "stop_after_from")
+                 "prefill_started", "prefill_done", "first_token_at", "last_token_at", "timed_out", "stop_word",
+                 "stop_after_seen", "stop_after_from")
 
     def __init__(self, request: GenerationRequest, tokenizer: Tokenizer | None, cached_tokens: int):
         self.request = request
@@ -32,6 +32,7 @@ class RequestOutput:
         self.prefill_started = 0.0       # first prompt chunk fed (after waiting for blocks or a shared prefix)
         self.prefill_done = 0.0
         self.first_token_at = 0.0
+        self.last_token_at = 0.0         # the last generated token (not an end-of-sequence) was sampled
         self.timed_out = False
         self.stop_word = ""              # the stop string that ended the generation
         self.stop_after_seen = 0         # occurrences of request.stop_after's string in the text so far
@@ -41,6 +42,7 @@ class RequestOutput:
         """Append a generated token (not an end-of-sequence); the finish reason it causes, or None."""
         request = self.request
         self.generated.append(token)
+        self.last_token_at = now
         if self.detokenizer is not None:
             self.text += self.detokenizer.push(token)
         if request.constraint is not None and request.constraint.is_finished:
@@ -87,7 +89,7 @@ class RequestOutput:
             prompt_n=len(prompt) - self.cached_tokens,
             prompt_ms=1000 * (prefill_end - (self.prefill_started or self.started)),
             predicted_n=len(self.generated),
-            predicted_ms=1000 * (now - prefill_end),
+            predicted_ms=1000 * ((self.last_token_at or prefill_end) - prefill_end),
             ttft_ms=1000 * ((self.first_token_at or now) - self.started),
         )
         return tail, Usage(len(prompt), self.cached_tokens, len(self.generated)), timings

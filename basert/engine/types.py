@@ -54,8 +54,13 @@ class Timings:
     prompt_n: int = 0
     prompt_ms: float = 0.0
     predicted_n: int = 0
-    predicted_ms: float = 0.0
+    predicted_ms: float = 0.0       # from the first generated token to the last: `decode_steps` steps
     ttft_ms: float = 0.0
+
+    @property
+    def decode_steps(self) -> int:
+        """The decode steps `predicted_ms` covers: the first token comes from the prefill's logits."""
+        return max(self.predicted_n - 1, 0)
 
     def as_dict(self, cache_n: int) -> dict:
         return {
@@ -65,7 +70,7 @@ class Timings:
             "prompt_per_second": self.prompt_n / (self.prompt_ms / 1000) if self.prompt_ms > 0 else 0.0,
             "predicted_n": self.predicted_n,
             "predicted_ms": self.predicted_ms,
-            "predicted_per_second": self.predicted_n / (self.predicted_ms / 1000) if self.predicted_ms > 0 else 0.0,
+            "predicted_per_second": 1000 * self.decode_steps / self.predicted_ms if self.predicted_ms > 0 else 0.0,
         }
 
 

@@ -42,11 +42,15 @@ def continues_final_message(body: ChatCompletionRequest) -> bool:
     """Whether the prompt continues the final message (an assistant prefill) rather than opening a new turn.
 
     A final assistant message is continued unless `continue_final_message` is false; asking to continue any other
-    final message is a 400.
+    final message, or to continue one and also open a new turn (`add_generation_prompt: true` set by the request,
+    not by default), is a 400.
     """
     final_is_assistant = body.messages[-1].role == "assistant"
     if body.continue_final_message and not final_is_assistant:
         raise invalid("continue_final_message needs a final assistant message", "continue_final_message")
+    if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise invalid("continue_final_message and add_generation_prompt cannot both be true: a continued message "
+                      "opens no new turn", "continue_final_message")
     return final_is_assistant and body.continue_final_message is not False
 
 

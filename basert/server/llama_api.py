@@ -276,7 +276,7 @@ def llama_timings(done: FinishEvent) -> dict:
     timings = done.timings
     body = timings.as_dict(done.usage.cached_tokens)
     body["prompt_per_token_ms"] = timings.prompt_ms / timings.prompt_n if timings.prompt_n else 0.0
-    body["predicted_per_token_ms"] = timings.predicted_ms / timings.predicted_n if timings.predicted_n else 0.0
+    body["predicted_per_token_ms"] = timings.predicted_ms / timings.decode_steps if timings.decode_steps else 0.0
     return body
 
 
@@ -344,22 +344,24 @@ def props(model: ServedModel, limits: ServerLimits) -> dict:
     }
 
 
-def llama_slot(model: ServedModel, slot: dict, params: dict) -> dict:
+def llama_slot(model: ServedModel, slot: dict, params: dict | None) -> dict:
     """A slot as GET /slots lists it: BaseRT's fields, then llama.cpp's.
 
-    llama.cpp's integer task id is derived from BaseRT's `request_id` (-1 while the slot is idle); `params` are
-    the default settings, and `next_token` says whether the slot is generating (BaseRT does not report its
-    token counts: `n_decoded` 0, `n_remain` -1).
+    `params` None: the slot has never run a request, and like llama.cpp it lists no task fields (`id_task`,
+    `params`, `next_token`). llama.cpp's integer task id is derived from BaseRT's `request_id` (-1 while the slot
+    is idle); `params` are the default settings; `next_token` is llama.cpp's one-element list saying whether the
+    slot is generating (BaseRT does not report its token counts: `n_decoded` 0, `n_remain` -1).
     """
+    listed = {**slot, "model": model.info.id, "speculative": False}
+    if params is None:
+        return listed
     busy = slot["is_processing"]
     return {
-        **slot,
-        "model": model.info.id,
+        **listed,
         "id_task": zlib.crc32(slot["request_id"].encode()) & 0x7FFFFFFF if busy and slot["request_id"] else -1,
-        "speculative": False,
         "params": params,
-        "next_token": {"has_next_token": busy, "has_new_line": False, "n_remain": -1, "n_decoded": 0,
-                       "stopping_word": ""},
+        "next_token": [{"has_next_token": busy, "has_new_line": False, "n_remain": -1, "n_decoded": 0,
+                        "stopping_word": ""}],
     }
 
 # --- chat prompts -------------------------------------------------------------------------------

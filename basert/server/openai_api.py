@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from basert import __version__
 from basert.engine.types import FinishEvent, TokenEvent
 from basert.server.access_log import RequestRecord
 from basert.server.catalog import ServedModel
@@ -29,6 +30,12 @@ from basert.server.generation import (
 )
 from basert.server.schemas import ChatCompletionRequest, CompletionRequest
 
+
+def system_fingerprint(model: ServedModel) -> str:
+    """`system_fingerprint` in llama.cpp's build-tag form ("b" first, as its clients check): BaseRT's version and
+    the model file's fingerprint, so it changes when either does."""
+    return f"b{__version__}-{model.info.fingerprint}"
+
 # --- chat ---------------------------------------------------------------------------------------
 
 
@@ -50,7 +57,7 @@ def chat_object(run: ChatRun, ends: list[ChoiceEnd]) -> dict:
     return {
         "id": run.response_id, "object": "chat.completion", "created": run.created, "model": run.model.info.id,
         "choices": choices, "usage": run.usage(), "timings": run.timings(),
-        "system_fingerprint": run.model.info.fingerprint,
+        "system_fingerprint": system_fingerprint(run.model),
     }
 
 
@@ -70,7 +77,7 @@ async def stream_chat(run: ChatRun) -> AsyncIterator[bytes]:
     """chat.completion.chunk events: per choice a role chunk (`content: null`), its deltas, a finish chunk; then the
     usage chunk when asked for, and [DONE]. A failure after the first byte is an error event, then [DONE]."""
     base = {"id": run.response_id, "object": "chat.completion.chunk", "created": run.created,
-            "model": run.model.info.id, "system_fingerprint": run.model.info.fingerprint}
+            "model": run.model.info.id, "system_fingerprint": system_fingerprint(run.model)}
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
         return sse({**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish,
@@ -151,7 +158,7 @@ async def completion(model: ServedModel, body: CompletionRequest, limits: Server
                     if want_logprobs else None})
     return {"id": response_id, "object": "text_completion", "created": created, "model": model.info.id,
             "choices": out, "usage": usage_body(record.prompt_tokens, done_list),
-            "timings": timings_body(done_list), "system_fingerprint": model.info.fingerprint}
+            "timings": timings_body(done_list), "system_fingerprint": system_fingerprint(model)}
 
 
 async def stream_completion(model: ServedModel, body: CompletionRequest, choices: ChoiceSet, response_id: str,

@@ -47,7 +47,7 @@ async def list_slots():
         raise not_supported("the slots endpoint is off: the server was started with --no-slots")
     model = slot_model()
     params = default_generation_settings(model, state.settings.limits)
-    listed = [llama_slot(model, slot, params) for slot in await model.ask(SlotList)]
+    listed = [llama_slot(model, slot, params if slot["has_run"] else None) for slot in await model.ask(SlotList)]
     if "fail_on_no_slot" in request.args and all(slot["is_processing"] for slot in listed):
         raise unavailable("no slot is available", "no_slot_available", retry_after=1)
     return listed
