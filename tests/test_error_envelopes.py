@@ -18,6 +18,8 @@ from basert.engine.saved_state import SnapshotError
 from basert.errors import BaseRTError, InvalidRequestError
 from basert.format.atomic import StorageError
 from basert.format.errors import ChecksumMismatchError, ModelValidationError
+from basert.server.app import ServerSettings, create_app
+from basert.server.catalog import ModelCatalog
 from basert.server.errors import ApiError, to_api_error
 from basert.server.files import FileNotFoundInStoreError, StoreFullError, UnsafeFilenameError
 from basert.tokenizer import TokenizerError
@@ -126,3 +128,17 @@ def test_unknown_exceptions_are_500_with_an_error_id() -> None:
     error = json.loads(body)["error"]
     assert status == 500 and "internal detail" not in body
     assert error["error_id"].startswith("err-")
+
+
+@pytest.mark.parametrize("method, path, status, message", [
+    ("GET", "/v1/messages", 405, "method GET not allowed on /v1/messages"),
+    ("GET", "/v1/messages/count_tokens", 405, "method GET not allowed on /v1/messages/count_tokens"),
+    ("POST", "/v1/messages/batches", 404, "route POST /v1/messages/batches not found"),
+])
+async def test_a_method_or_path_no_messages_route_has_answers_in_anthropics_envelope(method: str, path: str,
+                                                                                    status: int, message: str):
+    client = create_app(ModelCatalog(), ServerSettings()).test_client()
+    response = await client.open(path, method=method, json={})
+    kind = {404: "not_found_error", 405: "invalid_request_error"}[status]
+    assert (response.status_code, await response.get_json()) == (status, {"type": "error", "error": {
+        "type": kind, "message": message}})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from basert.server.anthropic_api import count_tokens, create_message, error_body
 from basert.server.anthropic_schemas import MessagesInput, MessagesRequest
@@ -26,10 +26,14 @@ async def count_message_tokens():
     return count_tokens(server_state().catalog.resolve(body.model), body)
 
 
-@anthropic.after_request
+@anthropic.after_app_request
 async def anthropic_error_envelope(response: Response) -> Response:
-    """Rewrite the server's error envelope (however the error arose: a refusal before the route, an exception in
-    it) as Anthropic's, keeping the status, so that Anthropic clients read the error's type and message."""
+    """Rewrite the server's error envelope under /v1/messages (however the error arose: a refusal before the route,
+    an exception in it, a method or path no route has) as Anthropic's, keeping the status, so that Anthropic
+    clients read the error's type and message."""
+    # By path, not by blueprint: a 404 or 405 matched no route, so no blueprint's hook would run.
+    if not (request.path == "/v1/messages" or request.path.startswith("/v1/messages/")):
+        return response
     if response.status_code < 400 or response.mimetype != "application/json":
         return response
     error = json.loads(await response.get_data()).get("error")
