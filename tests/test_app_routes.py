@@ -35,7 +35,7 @@ async def test_cors_preflight_and_allowed_origin(tmp_path: Path):
     client = app_with(tmp_path, cors_origins=["http://a.example"]).test_client()
     preflight = await client.options("/v1/chat/completions", headers={"Origin": "http://a.example"},
                                      scope_base=LOCAL)
-    assert preflight.status_code == 204
+    assert preflight.status_code == 200
     assert preflight.headers["Access-Control-Allow-Origin"] == "http://a.example"
     assert preflight.headers["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"
     other = await client.get("/health", headers={"Origin": "http://b.example"}, scope_base=LOCAL)

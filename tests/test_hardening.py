@@ -19,6 +19,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tempe
 LONG_STREAM = {"messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 3000,
                "temperature": 0, "ignore_eos": True, "stream": True}
 ORIGIN = "http://app.example"
+ALLOWED_HOST = "basert.internal"
+EVIL = "http://evil.example"
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
                        "--max-body-bytes", "100000",
                        "--files-dir", str(root / "files"), "--slot-save-path", str(root / "slots"),
                        "--cors-allow-origin", ORIGIN, "--max-queued", "2", "--queue-timeout", "10",
-                       log_path=root / "server.log") as proc:
+                       "--allowed-host", ALLOWED_HOST, log_path=root / "server.log") as proc:
         yield proc
 
 
@@ -182,21 +184,94 @@ def test_hostile_bodies_on_other_endpoints_are_400s(server: ServerProcess, path:
     error_envelope(httpx.post(server.url + path, content=body, timeout=30), 400)
 
 
-def test_cors_preflight_and_headers(server: ServerProcess, keyed_server: ServerProcess):
-    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}
+def test_cors_preflight_answers_what_a_browser_asks(server: ServerProcess, keyed_server: ServerProcess):
+    # The OpenAI JS SDK's preflight asks for its x-stainless-* headers besides Authorization.
+    asked = "authorization, content-type, x-stainless-os, x-stainless-retry-count"
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": asked}
     response = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
-    assert response.status_code == 204
+    assert response.status_code == 200
+    assert response.content == b""
     assert response.headers["Access-Control-Allow-Origin"] == ORIGIN
-    assert "POST" in response.headers["Access-Control-Allow-Methods"]
-    assert "Authorization" in response.headers["Access-Control-Allow-Headers"]
-    other = httpx.options(server.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
-    assert "Access-Control-Allow-Origin" not in other.headers
-    # A keyed server answers the preflight without the key: browsers never send credentials with it.
-    keyed = httpx.options(keyed_server.url + "/v1/models", headers=preflight)
-    assert keyed.status_code == 204 and keyed.headers["Access-Control-Allow-Origin"] == "*"
-    answered = httpx.get(server.url + "/v1/models", headers={"Origin": ORIGIN})
+    assert response.headers["Access-Control-Allow-Credentials"] == "true"
+    assert response.headers["Access-Control-Allow-Methods"] == "GET, POST, DELETE, OPTIONS"
+    assert response.headers["Access-Control-Allow-Headers"] == asked
+    plain = httpx.options(server.url + "/v1/models", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "GET"})
+    assert (plain.status_code, plain.headers["Access-Control-Allow-Headers"]) == (200, "*")
+    other = httpx.options(server.url + "/v1/chat/completions", headers={**preflight, "Origin": EVIL})
+    assert other.status_code == 200 and "Access-Control-Allow-Origin" not in other.headers
+    # A keyed server answers the preflight without the key (browsers never send credentials with it); with '*'
+    # it names the origin itself, which credentialed requests need.
+    keyed = httpx.options(keyed_server.url + "/v1/models", headers={**preflight, "Origin": "http://any.example"})
+    assert keyed.status_code == 200 and keyed.headers["Access-Control-Allow-Origin"] == "http://any.example"
+    answered = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers={"Origin": ORIGIN}, timeout=60)
+    assert answered.status_code == 200
     assert answered.headers["Access-Control-Allow-Origin"] == ORIGIN
+    assert answered.headers["Access-Control-Allow-Credentials"] == "true"
+
+
+def slot_zero_cache(server: ServerProcess) -> int:
+    return [slot for slot in httpx.get(server.url + "/slots").json() if slot["id"] == 0][0]["cache_tokens"]
+
+
+def test_a_web_page_can_neither_change_nor_read_a_keyless_server(server: ServerProcess):
+    # What a page would erase or read: slot 0's cached prompt and a stored file.
+    assert httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "id_slot": 0}, timeout=60).status_code == 200
+    cached = slot_zero_cache(server)
+    assert cached > 0
+    upload = httpx.post(server.url + "/v1/files", files={"file": ("notes.txt", b"private notes")},
+                        data={"purpose": "user_data"})
+    file_id = upload.json()["id"]
+    listed = httpx.get(server.url + "/v1/files").json()["data"]
+    as_text = {"Origin": EVIL, "Content-Type": "text/plain"}
+    # DNS rebinding: the page's own name now leads to the server, so its requests are same-origin.
+    rebound = {"Host": f"evil.example:{server.port}", "Origin": f"http://evil.example:{server.port}"}
+    chat_text = json.dumps({**CHAT, "id_slot": 0})
+    attempts = [
+        ("POST", "/slots/0?action=erase", as_text, None, 403, "origin_not_allowed"),
+        ("POST", "/slots/0/erase", as_text, None, 403, "origin_not_allowed"),
+        ("POST", "/v1/chat/completions", as_text, chat_text, 403, "origin_not_allowed"),
+        # A browser that sends no Origin with a form still sends the form's type.
+        ("POST", "/slots/0?action=erase", {"Content-Type": "text/plain"}, None, 415, "unsupported_media_type"),
+        ("POST", "/slots/0/erase", {"Content-Type": "application/x-www-form-urlencoded"}, "a=1", 415,
+         "unsupported_media_type"),
+        ("POST", "/v1/chat/completions", {"Content-Type": "text/plain"}, chat_text, 415, "unsupported_media_type"),
+        ("POST", "/slots/0?action=erase", {**rebound, "Content-Type": "text/plain"}, None, 403, "host_not_allowed"),
+        ("DELETE", f"/v1/files/{file_id}", rebound, None, 403, "host_not_allowed"),
+        ("GET", "/slots", rebound, None, 403, "host_not_allowed"),
+        ("GET", "/v1/files", rebound, None, 403, "host_not_allowed"),
+        ("GET", f"/v1/files/{file_id}/content", rebound, None, 403, "host_not_allowed"),
+    ]
+    for method, path, headers, body, status, code in attempts:
+        response = httpx.request(method, server.url + path, headers=headers, content=body, timeout=60)
+        error_envelope(response, status, code)
+        assert file_id not in response.text and "private notes" not in response.text
+    uploaded = httpx.post(server.url + "/v1/files", headers={"Origin": EVIL},
+                          files={"file": ("planted.txt", b"x")}, data={"purpose": "user_data"})
+    error_envelope(uploaded, 403, "origin_not_allowed")
+    assert slot_zero_cache(server) == cached
+    assert httpx.get(server.url + "/v1/files").json()["data"] == listed
+    assert httpx.get(server.url + f"/v1/files/{file_id}/content").content == b"private notes"
+    assert httpx.delete(server.url + f"/v1/files/{file_id}").status_code == 200
+
+
+def test_host_names_a_keyless_server_answers(server: ServerProcess, keyed_server: ServerProcess):
+    port = server.port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"10.1.2.3:{port}", "app.localhost",
+                 f"{ALLOWED_HOST}:{port}", ALLOWED_HOST.upper()):
+        assert httpx.get(server.url + "/v1/models", headers={"Host": host}).status_code == 200, host
+    for host in (f"evil.example:{port}", "basert.internal.evil.example", "localhost.evil.example", "[::1"):
+        error_envelope(httpx.get(server.url + "/v1/models", headers={"Host": host}), 403, "host_not_allowed")
+    # A page of the server's own origin (served by a proxy under an allowed name) is not cross-origin.
+    own = {"Host": f"{ALLOWED_HOST}:{port}", "Origin": f"https://{ALLOWED_HOST}:{port}"}
+    assert httpx.post(server.url + "/v1/tokenize", json={"content": "hi"}, headers=own).status_code == 200
+    # With a key, a rebinding page cannot authenticate, so any name is answered.
+    keyed = httpx.get(keyed_server.url + "/v1/models", headers={"Host": "evil.example", "X-Api-Key": "secret-key"})
+    assert keyed.status_code == 200
+    # JSON under any of its spellings, and no type at all (SDKs outside browsers), are read as before.
+    for content_type in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        response = httpx.post(server.url + "/v1/tokenize", content=b'{"content": "hi"}', headers=headers)
+        assert response.status_code == 200, content_type
 
 
 def test_rate_limit_per_key(keyed_server: ServerProcess):

@@ -7,6 +7,8 @@ so that scripts and test suites written for llama.cpp's server start BaseRT unch
 
 Flags without a BaseRT counterpart (server-wide sampling defaults, GPU and batch sizes, downloads) are ignored,
 each with a note on stderr. Without -m/--model it serves $BASERT_SHIM_MODEL, else BaseRT's default model.
+Browser origins follow llama-server's defaults: any origin, or only pages served from this machine when its
+server tools are on (--tools), unless --cors-origins lists them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ MODEL_FLAGS = {"-m", "--model"}
 CONTEXT_FLAGS = {"-c", "--ctx-size"}
 PARALLEL_FLAGS = {"-np", "--parallel"}
 PREDICT_FLAGS = {"-n", "--predict", "--n-predict"}
+CORS_FLAGS = {"--cors-origins"}   # a comma-separated list; 'localhost' means pages served from this machine
+TOOLS_FLAGS = {"--tools"}         # llama-server's own tools: BaseRT has none, but they narrow the default origins
 
 
 @dataclass(slots=True)
@@ -46,6 +50,8 @@ class Translation:
     model: str | None = None
     context: int = 0            # llama.cpp's total context (0: the model's default)
     parallel: int = 1
+    cors_origins: list[str] = field(default_factory=list)   # empty: llama-server's default
+    server_tools: bool = False
     flags: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -56,6 +62,8 @@ class Translation:
             arguments += ["--max-context", str(max(self.context // self.parallel, 2))]
         if self.parallel > 1:
             arguments += ["--slots", str(self.parallel)]
+        for origin in self.cors_origins or ["localhost" if self.server_tools else "*"]:
+            arguments += ["--cors-allow-origin", origin]
         return arguments + self.flags
 
 
@@ -92,6 +100,11 @@ def translate(arguments: list[str]) -> Translation:
         elif flag in PREDICT_FLAGS:
             if int(value) > 0:
                 result.flags += ["--max-tokens", value]
+        elif flag in CORS_FLAGS:
+            result.cors_origins += [origin.strip() for origin in value.split(",") if origin.strip()]
+        elif flag in TOOLS_FLAGS:
+            result.server_tools = True
+            result.notes.append(f"ignoring {flag} {value}")
         elif flag in SAME_VALUE:
             result.flags += [SAME_VALUE[flag], value]
         elif flag in SAME_SWITCH:

@@ -86,7 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, new requests get 503 while running ones get up to SEC seconds to "
                    "finish (default 30); then the caches are saved and the server exits 0")
     p.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from ORIGIN (repeatable; '*' allows any origin)")
+                   help="let web pages of ORIGIN (scheme://host[:port]) call the server from a browser (repeatable; "
+                   "'*' any origin, 'localhost' pages served from this machine); a request from another page's "
+                   "Origin is refused with 403")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without --api-key, also answer requests whose Host header is NAME (repeatable; '*' any); "
+                   "IP addresses, localhost and --host are always answered, other names get 403 (a page could "
+                   "rebind its own name to this server's address)")
     p.add_argument("--pooling", choices=("mean", "last", "cls"), default="mean",
                    help="how /v1/embeddings pools the last hidden states of an input: mean, last token, or cls "
                    "(first token); the vector is L2-normalised (default mean)")
@@ -305,6 +311,7 @@ def serve(args: argparse.Namespace) -> int:
         slot_save_path=args.slot_save_path,
         max_body_bytes=args.max_body_bytes,
         cors_origins=list(args.cors_allow_origin),
+        allowed_hosts=[args.host, *args.allowed_host],
         rate_limit=args.rate_limit,
         slots_endpoint=args.slots_endpoint,
         metrics_endpoint=args.metrics,

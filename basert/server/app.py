@@ -1,12 +1,14 @@
-"""The quart-trio application: the route blueprints, and around every request the guard (draining, auth,
-rate limit), CORS, the error envelope and the access log."""
+"""The quart-trio application: the route blueprints, and around every request the guard (browser safety, draining,
+auth, rate limit), CORS, the error envelope and the access log."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
 import json
+import re
 import time
+from urllib.parse import urlsplit
 
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -29,8 +31,11 @@ from basert.server.state import ServerSettings, ServerState, server_state
 
 # Paths that hold other users' data or control the server: without an API key only loopback clients reach them.
 PROTECTED_PREFIXES = ("/slots", "/v1/files")
-CORS_ALLOWED_HEADERS = "Authorization, Content-Type, X-Api-Key, anthropic-version, anthropic-beta"
 CORS_ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110), as a header name must be
+STATE_CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# The routes whose documented body is a multipart form rather than JSON.
+MULTIPART_ENDPOINTS = frozenset({"files.upload_file"})
 
 
 def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
@@ -72,16 +77,6 @@ def supplied_key() -> str:
     return request.headers.get("X-Api-Key", "")
 
 
-def cors_origin(settings: ServerSettings) -> str | None:
-    """The Access-Control-Allow-Origin value for this request, or None."""
-    origin = request.headers.get("Origin")
-    if not origin or not settings.cors_origins:
-        return None
-    if "*" in settings.cors_origins:
-        return "*"
-    return origin if origin in settings.cors_origins else None
-
-
 def endpoint_name() -> str:
     """The route pattern (not the concrete path), so metrics labels stay few."""
     rule = request.url_rule
@@ -89,21 +84,21 @@ def endpoint_name() -> str:
 
 
 async def admit_request() -> Response | None:
-    """Answer CORS preflights; refuse requests while draining, without a valid key, or over the rate limit."""
+    """Refuse what a web page must not do (see browser_refusal); answer CORS preflights; refuse requests while
+    draining, without a valid key, or over the rate limit."""
     request.basert_started = time.monotonic()  # type: ignore[attr-defined]
+    state = server_state()
+    settings = state.settings
+    refusal = browser_refusal(settings, bool(state.api_keys))
+    if refusal is not None:
+        return error_response(refusal)
     if request.method == "OPTIONS":
         # A CORS preflight carries no credentials; it is answered (or refused by the browser) without a key.
-        response = Response(b"", status=204)
-        response.headers["Access-Control-Allow-Methods"] = CORS_ALLOWED_METHODS
-        response.headers["Access-Control-Allow-Headers"] = CORS_ALLOWED_HEADERS
-        response.headers["Access-Control-Max-Age"] = "600"
-        return response
-    state = server_state()
+        return preflight_response()
     if state.draining:
         return error_response(unavailable("the server is shutting down", "draining", retry_after=5))
     if request.path == "/health":
         return None
-    settings = state.settings
     key = supplied_key()
     if state.api_keys:
         given = key.encode("utf-8", errors="surrogateescape")
@@ -122,14 +117,103 @@ async def admit_request() -> Response | None:
     return None
 
 
+def browser_refusal(settings: ServerSettings, keyed: bool) -> ApiError | None:
+    """A 403 or 415 for a request that a web page in the user's browser could have sent against the user's will.
+
+    Without an API key, a page could otherwise drive a loopback server: by a cross-site request (refused by its
+    Origin, and by its body type for browsers that send no Origin), or by DNS rebinding, which makes the page's
+    own name reach this server (refused by the Host header). Clients outside browsers send neither header.
+    """
+    if not keyed and not host_allowed(settings):
+        return ApiError(403, f"Host {printable(request.headers.get('Host', ''), 64)!r} is not a name of this "
+                        "server: start it with --allowed-host NAME (or --api-key)", type="permission_error",
+                        code="host_not_allowed")
+    origin = request.headers.get("Origin")
+    if origin is not None and request.method != "OPTIONS" and not listed_origin(origin, settings) \
+            and not same_origin(origin):
+        return ApiError(403, f"requests from web pages of {printable(origin, 64)!r} are not allowed: start the "
+                        "server with --cors-allow-origin ORIGIN", type="permission_error", code="origin_not_allowed")
+    mimetype = request.mimetype
+    if request.method in STATE_CHANGING_METHODS and mimetype and not is_json_type(mimetype) \
+            and not (mimetype == "multipart/form-data" and request.endpoint in MULTIPART_ENDPOINTS):
+        # A form or text/plain body is what a page sends cross-site without asking the browser first.
+        expected = "multipart/form-data" if request.endpoint in MULTIPART_ENDPOINTS else "application/json"
+        return ApiError(415, f"Content-Type {printable(mimetype, 64)} is not accepted: send {expected}",
+                        code="unsupported_media_type")
+    return None
+
+
+def is_json_type(mimetype: str) -> bool:
+    """Whether a (lower-case, parameter-free) media type is JSON: application/json or application/*+json."""
+    return mimetype == "application/json" or (mimetype.startswith("application/") and mimetype.endswith("+json"))
+
+
+def host_allowed(settings: ServerSettings) -> bool:
+    """Whether the Host header names this server: an IP address, localhost, --host or an --allowed-host name.
+
+    Any other name may be an attacker's, rebound in DNS to this machine's address. No Host at all is allowed:
+    browsers always send one.
+    """
+    host = request.headers.get("Host")
+    if not host:
+        return True
+    try:
+        name = (urlsplit("//" + host).hostname or "").rstrip(".")
+    except ValueError:
+        return False
+    allowed = {h.lower().rstrip(".") for h in settings.allowed_hosts}
+    if "*" in allowed or name in allowed or name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def listed_origin(origin: str, settings: ServerSettings) -> bool:
+    """Whether --cors-allow-origin allows pages of `origin` ('*': any; 'localhost': pages served from this machine)."""
+    allowed = settings.cors_origins
+    if "*" in allowed or origin in allowed:
+        return True
+    if "localhost" not in allowed:
+        return False
+    try:
+        name = urlsplit(origin).hostname or ""
+    except ValueError:
+        return False
+    return name == "localhost" or is_loopback(name)
+
+
+def same_origin(origin: str) -> bool:
+    """Whether `origin` is the server's own (a page served under the same host and port, e.g. by a proxy)."""
+    netloc = origin.partition("://")[2]
+    return bool(netloc) and netloc.lower() == request.headers.get("Host", "").lower()
+
+
+def preflight_response() -> Response:
+    """The answer to a CORS preflight: 200, the methods, and the headers the request asks for.
+
+    The requested headers are echoed rather than answered with '*': browsers never let '*' cover Authorization,
+    and read it literally on credentialed requests. '*' remains when none are asked for.
+    """
+    asked = (name.strip() for name in request.headers.get("Access-Control-Request-Headers", "").split(","))
+    response = Response(b"", status=200)
+    response.headers["Access-Control-Allow-Methods"] = CORS_ALLOWED_METHODS
+    response.headers["Access-Control-Allow-Headers"] = ", ".join(n for n in asked if HEADER_NAME.fullmatch(n)) or "*"
+    response.headers["Access-Control-Max-Age"] = "600"
+    return response
+
+
 async def finish_response(response: Response) -> Response:
     """Add the CORS headers, and log the request unless it streams (a stream logs itself when it ends)."""
     state = server_state()
-    origin = cors_origin(state.settings)
-    if origin is not None:
+    origin = request.headers.get("Origin")
+    if origin is not None and listed_origin(origin, state.settings):
+        # The origin itself, never '*': with credentials allowed, browsers accept only the exact origin.
         response.headers["Access-Control-Allow-Origin"] = origin
-        if origin != "*":
-            response.headers["Vary"] = "Origin"
+        response.headers["Access-Control-Allow-Credentials"] = "true"
+        response.headers["Vary"] = "Origin"
     if not getattr(request, "basert_streamed", False):
         started = getattr(request, "basert_started", time.monotonic())
         log_request(state.metrics, endpoint_name(), response.status_code, started,

@@ -54,12 +54,17 @@ class RequestGuard:
             return message
 
         async def guarded_send(message) -> None:
+            if message["type"] == "http.response.start" and http1:
+                # Header names as HTTP/1.1 servers usually write them (Access-Control-Allow-Origin): quart writes
+                # them in lower case, and some clients (llama.cpp's tests) look them up case-sensitively. HTTP/2
+                # names must stay lower case.
+                message = {**message, "headers": [(name.title(), value) for name, value in message.get("headers", ())]}
             if message["type"] == "http.response.start" and http1 and not body_complete.is_set():
                 # The app reads the rest of the body in the background: a short one arrives at once.
                 with trio.move_on_after(BODY_WAIT_HTTP1_SECONDS):
                     await body_complete.wait()
                 if not body_complete.is_set():
-                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+                    message = {**message, "headers": [*message["headers"], (b"Connection", b"close")]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False) and not http1:
                 with trio.move_on_after(BODY_DRAIN_SECONDS):
                     await body_complete.wait()

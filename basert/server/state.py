@@ -26,7 +26,8 @@ class ServerSettings:
     files: FilesStore | None = None
     slot_save_path: Path | None = None
     max_body_bytes: int = 32 * 1024 * 1024
-    cors_origins: list[str] = field(default_factory=list)
+    cors_origins: list[str] = field(default_factory=list)   # '*' any origin, 'localhost' pages on this machine
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names answered without a key (besides IPs, localhost)
     rate_limit: int = 0                      # requests per minute per API key (or client address); 0 = off
     slots_endpoint: bool = True              # GET /slots (off: 501, as llama.cpp's --no-slots)
     metrics_endpoint: bool = True            # GET /metrics (off: 501, as llama.cpp without --metrics)
