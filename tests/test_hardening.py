@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -312,15 +313,18 @@ def test_full_queue_is_503_busy_and_a_long_wait_is_503_queue_timeout(server: Ser
     assert not any(slot["is_processing"] for slot in slots)
 
 
-def test_access_log_has_every_request_with_control_characters_escaped(server: ServerProcess,
-                                                                      keyed_server: ServerProcess):
+def test_access_log_has_every_request_with_control_characters_and_spaces_escaped(server: ServerProcess,
+                                                                                 keyed_server: ServerProcess):
     httpx.get(server.url + "/v1/models/%00evil%0A2026-01-01 forged line")
+    httpx.get(server.url + "/v1/models/x 200 model=forged")
     httpx.get(server.url + "/v1/models")
     httpx.get(keyed_server.url + "/v1/models")  # no key: 401
     time.sleep(0.3)
     log = server.log_text()
     assert "GET /v1/models 200" in log
-    assert "\\x00evil\\n2026-01-01 forged line 404" in log
+    assert "\\x00evil\\n2026-01-01%20forged%20line 404" in log
+    # A space in the path would let it fill the status and model fields.
+    assert "GET /v1/models/x%20200%20model=forged 404 model=- " in log
     assert not any(line.startswith("2026-01-01 forged") for line in log.splitlines())
     assert "\x00" not in log
     assert "GET /v1/models 401" in keyed_server.log_text()
@@ -428,3 +432,46 @@ def test_a_server_beyond_loopback_without_a_key_warns(smollm2_base: Path, tmp_pa
     assert proc.stop() == 0
     warnings = [line for line in proc.log_text().splitlines() if "WARNING" in line]
     assert any("without --api-key" in line for line in warnings)
+
+
+def test_a_symlink_loop_in_the_slot_directory_is_a_400_without_the_servers_paths(server: ServerProcess):
+    loop = server.log_path.parent / "slots" / "loop.bin"
+    loop.symlink_to(loop.name)
+    try:
+        response = httpx.post(server.url + "/slots/0?action=save", json={"filename": "loop.bin"}, timeout=30)
+    finally:
+        loop.unlink()
+    assert response.json() == {"error": {"message": "filename cannot be resolved (a symbolic link loop?): "
+                                                    "'loop.bin'", "type": "invalid_request_error", "param": None,
+                                         "code": "invalid_value"}}
+    assert response.status_code == 400
+
+
+def test_an_erase_reads_its_body_and_refuses_one_over_the_limit(server: ServerProcess):
+    assert httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "id_slot": 0}, timeout=60).status_code == 200
+    cached = slot_zero_cache(server)
+    big = b'{"pad": "' + b"x" * 300_000 + b'"}'
+    for path in ("/slots/0/erase", "/slots/0?action=erase"):
+        error_envelope(httpx.post(server.url + path, content=big, headers={"Content-Type": "application/json"},
+                                  timeout=30), 413, "request_too_large")
+        error_envelope(httpx.post(server.url + path, content=b"not json", timeout=30), 400)
+    assert slot_zero_cache(server) == cached
+    erased = httpx.post(server.url + "/slots/0?action=erase", timeout=30)
+    assert erased.json() == {"id_slot": 0, "n_erased": cached}
+
+
+def test_hypercorns_own_refusals_are_error_envelopes(server: ServerProcess):
+    too_large = httpx.get(server.url + "/v1/models", headers={"X-Pad": "x" * 100_000})
+    assert too_large.status_code == 431
+    assert too_large.json() == {"error": {"message": "request headers are too large", "type": "invalid_request_error",
+                                          "param": None, "code": "request_header_fields_too_large"}}
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+        raw.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400")
+    assert json.loads(body) == {"error": {"message": "malformed HTTP request", "type": "invalid_request_error",
+                                          "param": None, "code": "bad_http_request"}}
+    assert_health_fast(server.url)

@@ -275,7 +275,7 @@ def serve(args: argparse.Namespace) -> int:
     from basert.format.atomic import remove_stale_temp_files
     from basert.format.errors import ModelValidationError
     from basert.server.app import ServerSettings, create_app, is_loopback
-    from basert.server.asgi import RequestGuard
+    from basert.server.asgi import RequestGuard, use_envelope_protocol_errors
     from basert.server.catalog import ModelCatalog
     from basert.server.files import FilesStore
     from basert.server.generation import ServerLimits
@@ -318,6 +318,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     app = create_app(catalog, settings)
     guarded = RequestGuard(app)
+    use_envelope_protocol_errors()
 
     # Until trio's receiver takes over (and again after it hands back, while the caches are saved) a signal is
     # only noted: the process must not die between loading and serving, nor in the middle of the final save.

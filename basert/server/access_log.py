@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from basert.engine.types import FinishEvent
-from basert.server.logs import printable
+from basert.server.logs import log_field
 from basert.server.metrics import ServerMetrics
 
 access_log = logging.getLogger("basert.access")
@@ -59,7 +59,7 @@ def log_request(metrics: ServerMetrics, endpoint: str, status: int, started: flo
     access_log.info(
         "%s %s %d model=%s slot=%s prompt=%d cached=%d completion=%d prefill_tps=%.1f decode_tps=%.1f "
         "ttft_ms=%.1f total_ms=%.1f finish=%s%s%s",
-        printable(method, 16), printable(path), status, r.model or "-", "-" if r.slot is None else r.slot,
+        log_field(method, 16), log_field(path), status, r.model or "-", "-" if r.slot is None else r.slot,
         r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.prompt_per_second, r.predicted_per_second,
         r.ttft_ms, 1000 * elapsed, r.finish_reason or ("cancelled" if streamed else "-"),
         " stream" if streamed else "", " timed_out" if r.timed_out else "",

@@ -1,4 +1,5 @@
-"""ASGI middleware around the app: answers sent before the request body was read, and requests in flight.
+"""ASGI middleware around the app: answers sent before the request body was read, and requests in flight; and
+hypercorn's own refusals of malformed HTTP/1.1 requests, in the error envelope.
 
 An early answer (401, 404, 405, 413, or a 400 before the body is read) must not leave a kept-alive
 connection dead. On HTTP/1.x the answer waits a moment for the rest of the body; if it is still coming,
@@ -9,12 +10,22 @@ be closed while the client still sends on it.
 
 from __future__ import annotations
 
+import json
+from itertools import chain
+
+import h11
+import hypercorn.protocol
 import trio
+from hypercorn.protocol.h11 import H11Protocol
+
+from basert.server.errors import ApiError
 
 # How long an HTTP/2 answer waits for the rest of a body it does not need.
 BODY_DRAIN_SECONDS = 30.0
 # How long an HTTP/1.x answer waits for the rest of the body before it closes the connection instead.
 BODY_WAIT_HTTP1_SECONDS = 1.0
+# What hypercorn refuses before the app sees a request (h11's status hints), as envelope message and code.
+PROTOCOL_ERRORS = {431: ("request headers are too large", "request_header_fields_too_large")}
 
 
 def _declares_body(scope: dict) -> bool:
@@ -78,3 +89,24 @@ class RequestGuard:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+
+
+class EnvelopeH11Protocol(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, whose own refusals (headers beyond h11_max_incomplete_size: 431; a request
+    that is not HTTP: 400) carry the error envelope as every other answer does, not an empty body."""
+
+    async def _send_error_response(self, status_code: int) -> None:
+        message, code = PROTOCOL_ERRORS.get(status_code, ("malformed HTTP request", "bad_http_request"))
+        body = json.dumps(ApiError(status_code, message, code=code).body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        await self._send_h11_event(h11.Response(status_code=status_code,
+                                                headers=list(chain(headers, self.config.response_headers("h11")))))
+        await self._send_h11_event(h11.Data(data=body))
+        await self._send_h11_event(h11.EndOfMessage())
+
+
+def use_envelope_protocol_errors() -> None:
+    """Make hypercorn's HTTP/1.1 connections answer with EnvelopeH11Protocol (its connection wrapper builds the
+    protocol by this module-level name; hypercorn has no setting for it)."""
+    hypercorn.protocol.H11Protocol = EnvelopeH11Protocol

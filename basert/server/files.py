@@ -70,7 +70,8 @@ def safe_child(directory: Path, filename: str) -> Path:
         root = directory.resolve()
         resolved = child.resolve()
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop on Python < 3.13
-        raise UnsafeFilenameError(f"filename cannot be resolved: {filename!r}: {exc}") from exc
+        # Not the exception's text: it names the server's absolute path.
+        raise UnsafeFilenameError(f"filename cannot be resolved (a symbolic link loop?): {filename!r}") from exc
     # A symlink inside the directory may point anywhere; only its final target counts.
     if resolved == root or not resolved.is_relative_to(root):
         raise UnsafeFilenameError(f"filename leads outside the directory: {filename!r}")

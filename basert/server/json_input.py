@@ -31,6 +31,12 @@ async def request_json() -> dict:
     return parse_json_object(await request.get_data())
 
 
+async def optional_request_json() -> dict:
+    """The current request's body as a JSON object, {} when it has none, or a 400 (a 413 over the body limit)."""
+    raw = await request.get_data()
+    return parse_json_object(raw) if raw else {}
+
+
 def check_json_value(value: object) -> None:
     """Refuse nesting beyond MAX_JSON_DEPTH and strings that are not Unicode text (lone surrogates)."""
     stack: list[tuple[object, int]] = [(value, 1)]

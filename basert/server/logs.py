@@ -1,4 +1,5 @@
-"""Logging for the server: client text made safe for one log line, and repeated warnings rate limited."""
+"""Logging for the server: client text made safe for one log line (or one field of it), and repeated warnings rate
+limited."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ def printable(text: str, limit: int = 512) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def log_field(text: str, limit: int = 512) -> str:
+    """`text` as one field of a space-separated log line: printable, its spaces written %20, so that client text
+    cannot fill the fields after it."""
+    return printable(text, limit).replace(" ", "%20")
 
 
 class RepeatedWarningFilter(logging.Filter):

@@ -12,7 +12,7 @@ from basert.actor.messages import SlotErase, SlotList, SlotRestore, SlotSave
 from basert.server.catalog import ServedModel
 from basert.server.errors import invalid, not_found, not_supported, unavailable
 from basert.server.files import safe_child
-from basert.server.json_input import request_json
+from basert.server.json_input import optional_request_json, request_json
 from basert.server.llama_api import default_generation_settings, llama_slot
 from basert.server.logs import printable
 from basert.server.schemas import SlotFileRequest
@@ -58,7 +58,7 @@ async def slot_save(raw_id: str):
     slot = slot_id(raw_id)
     model = slot_model()
     files = server_state().files()
-    body = SlotFileRequest.model_validate(await request_json() if await request.get_data() else {})
+    body = SlotFileRequest.model_validate(await optional_request_json())
     filename = body.filename or f"slot-{slot}.bin"
     # Written inside the store's directory, so handing it to the store is a rename.
     path = files.new_partial_path()
@@ -87,8 +87,16 @@ async def slot_restore(raw_id: str):
 
 @slots.post("/slots/<raw_id>/erase")
 async def slot_erase(raw_id: str):
-    result = await slot_model().ask(SlotErase, slot_id(raw_id))
+    slot = slot_id(raw_id)
+    await erase_body()
+    result = await slot_model().ask(SlotErase, slot)
     return {"id_slot": result.slot, "n_erased": result.n_tokens}
+
+
+async def erase_body() -> None:
+    """Read an erase's body, though an erase takes no fields: one over --max-body-bytes is a 413 (and one that is
+    not JSON a 400) as on every route, not silently ignored."""
+    await optional_request_json()
 
 
 @slots.post("/slots/<raw_id>")
@@ -99,6 +107,7 @@ async def slot_action(raw_id: str):
         raise invalid(f"action must be save, restore or erase, got {action!r}", "action")
     model = slot_model()
     if action == "erase":
+        await erase_body()
         result = await model.ask(SlotErase, slot)
         return {"id_slot": slot, "n_erased": result.n_tokens}
     slot_save_path = server_state().settings.slot_save_path
