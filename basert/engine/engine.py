@@ -236,7 +236,7 @@ class Engine:
         if finish is None:
             running.next_token = token
             return [TokenEvent(request.request_id, token, output.releasable(), logprob)]
-        return [TokenEvent(request.request_id, token, "", logprob), self._finish(slot, finish, now)]
+        return [TokenEvent(request.request_id, token, output.release_rest(), logprob), self._finish(slot, finish, now)]
 
     def _finish(self, slot: Slot, reason: str, now: float) -> FinishEvent:
         output = slot.running.output

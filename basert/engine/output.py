@@ -1,8 +1,9 @@
 """Per-request output handling: generated tokens to text, stop strings, limits, deadline and timings.
 
 The engine samples a token and hands it to the request's `RequestOutput`, which says whether the
-generation ends there (and why) and which text is final: text that could still turn out to be the start of
-a stop string is held back until it is resolved.
+generation ends there (and why) and which text is final. Text is released by whole tokens: while the text's end
+could still turn out to be the start of a stop string, all the text not handed out yet is held back, and the
+token or the end that decides releases it, so every piece is exactly the text of the tokens since the last one.
 """
 
 from __future__ import annotations
@@ -63,26 +64,23 @@ class RequestOutput:
         return True
 
     def releasable(self) -> str:
-        """Text that can no longer become part of a stop string, not handed out before."""
-        hold = 0
+        """The text not handed out before, or nothing while its end could still be the start of a stop string."""
         for stop in self.request.stop:
             for size in range(min(len(stop) - 1, len(self.text)), 0, -1):
                 if self.text.endswith(stop[:size]):
-                    hold = max(hold, size)
-                    break
-        end = len(self.text) - hold
-        if end <= self.released:
-            return ""
-        piece = self.text[self.released:end]
-        self.released = end
-        return piece
+                    return ""
+        return self._release(len(self.text))
 
-    def close(self, now: float) -> tuple[str, Usage, Timings]:
-        """The text still held back (with an unfinished character's bytes as U+FFFD), usage and timings."""
+    def release_rest(self) -> str:
+        """The generation has ended: all text not handed out yet, with an unfinished character's bytes as U+FFFD
+        (none after a stop string, where the text was cut)."""
         if self.detokenizer is not None and not self.stop_word:
             self.text += self.detokenizer.flush()
-        tail = self.text[self.released:]
-        self.released = len(self.text)
+        return self._release(len(self.text))
+
+    def close(self, now: float) -> tuple[str, Usage, Timings]:
+        """The text still held back (`release_rest`), usage and timings."""
+        tail = self.release_rest()
         prompt = self.request.prompt
         prefill_end = self.prefill_done or now
         timings = Timings(
@@ -93,6 +91,13 @@ class RequestOutput:
             ttft_ms=1000 * ((self.first_token_at or now) - self.started),
         )
         return tail, Usage(len(prompt), self.cached_tokens, len(self.generated)), timings
+
+    def _release(self, end: int) -> str:
+        if end <= self.released:
+            return ""
+        piece = self.text[self.released:end]
+        self.released = end
+        return piece
 
     def _hit_stop_string(self) -> bool:
         for stop in self.request.stop:

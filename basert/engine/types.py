@@ -78,7 +78,9 @@ class Timings:
 class TokenEvent:
     request_id: str
     token_id: int
-    text: str                       # text that is final now (stop strings are held back until resolved)
+    # The text this token releases: its own and that of earlier tokens held back while it could start a stop string
+    # (the last token of a generation releases all that is left).
+    text: str
     logprob: TokenLogprob | None
 
 
@@ -86,7 +88,7 @@ class TokenEvent:
 class FinishEvent:
     request_id: str
     finish_reason: str              # "stop", "length", or the reason given to Engine.cancel
-    text: str                       # the remaining text released at the end
+    text: str                       # text still held back when no token ended it (end of sequence, a cancel)
     usage: Usage
     timings: Timings
     slot: int

@@ -110,7 +110,7 @@ def constraint_factory_for(model: ServedModel, body: ChatCompletionRequest, tool
 
 @dataclass(slots=True)
 class ChoiceDelta:
-    """New output of one choice; `logprobs` is the OpenAI chat form for the token it came from, when asked for."""
+    """New output of one choice; `logprobs` is the OpenAI chat form for the tokens it came from, when asked for."""
 
     index: int
     reasoning: str = ""
@@ -147,30 +147,42 @@ class ChatRun:
 
     async def events(self) -> AsyncIterator[ChoiceDelta | ChoiceEnd]:
         """The choices' deltas and ends, choice after choice; an engine failure is raised. Cancels what is left of
-        the request when the consumer stops early."""
+        the request when the consumer stops early.
+
+        A token's logprobs go out with the delta that carries its text: while its text is held back (for a
+        possible stop string, by a parser) they wait, and the delta that releases it carries them all.
+        """
         try:
             for index, state in enumerate(self.states):
+                unsent = 0      # the last tokens of state.ids whose logprobs have not gone out
                 async for reply in self.choices.replies(index):
                     if isinstance(reply, TokenEvent):
                         state.ids.append(reply.token_id)
                         state.logprobs.append(reply.logprob)
-                        logprobs = None
-                        if self.want_logprobs:
-                            logprobs = chat_logprobs(self.model, [reply.token_id], [reply.logprob])
-                        delta = ChoiceDelta(index, *state.feed(reply.text), logprobs=logprobs)
-                        if delta.reasoning or delta.content or delta.tool_calls or (logprobs and logprobs["content"]):
+                        unsent += 1
+                        delta = ChoiceDelta(index, *state.feed(reply.text))
+                        if delta.reasoning or delta.content or delta.tool_calls:
+                            delta.logprobs, unsent = self._logprobs(state, unsent), 0
                             yield delta
                         continue
                     reasoning, content, calls = state.feed(reply.text)
                     more_reasoning, more_content, more_calls = state.finish(truncated=reply.finish_reason == "length")
                     delta = ChoiceDelta(index, reasoning + more_reasoning, content + more_content, calls + more_calls)
-                    if delta.reasoning or delta.content or delta.tool_calls:
+                    if delta.reasoning or delta.content or delta.tool_calls or (self.want_logprobs and unsent):
+                        delta.logprobs = self._logprobs(state, unsent)
                         yield delta
                     self.done_list.append(reply)
                     yield ChoiceEnd(index, state.finish_reason(reply.finish_reason), state, reply)
         finally:
             self.choices.close()
             self.record.absorb(self.done_list)
+
+    def _logprobs(self, state: ChatChoiceState, count: int) -> dict | None:
+        """The OpenAI chat logprobs of a choice's last `count` tokens, when the request asked for logprobs."""
+        if not self.want_logprobs:
+            return None
+        start = len(state.ids) - count
+        return chat_logprobs(self.model, state.ids[start:], state.logprobs[start:])
 
     async def results(self) -> list[ChoiceEnd]:
         """Run to the end; every choice's end."""

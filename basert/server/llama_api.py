@@ -144,35 +144,44 @@ class NativeCompletion:
     async def stream(self) -> AsyncIterator[bytes]:
         """llama.cpp's stream: a chunk per token (`stop: false`), then per prompt a final chunk with every field.
 
+        A token whose text is held back (for a possible stop string, or an unfinished character) has no chunk of
+        its own: it goes out with the chunk that releases its text, and at the end with a last one.
         A failure after the first byte is an `error:` event, as llama.cpp sends it; the stream has no [DONE].
         """
         try:
             async with aclosing(self.replies()) as replies:
+                unsent = 0      # the last tokens of the output that no chunk carried yet
                 async for output, reply in replies:
                     if isinstance(reply, TokenEvent):
-                        yield sse(self.partial(output, reply))
-                    else:
+                        unsent += 1
+                    finished = isinstance(reply, FinishEvent)
+                    if reply.text or (finished and unsent):
+                        yield sse(self.partial(output, reply.text, unsent))
+                        unsent = 0
+                    if finished:
                         yield sse(self.final(output, reply, streamed=True))
         except Exception as exc:  # after the first byte: the error as an event of its own
             yield f"error: {json.dumps(to_api_error(exc).body()['error'])}\n\n".encode()
 
-    def partial(self, output: PromptOutput, reply: TokenEvent) -> dict:
-        """The chunk of one streamed token (its text may be empty while a stop string is being matched)."""
+    def partial(self, output: PromptOutput, text: str, count: int) -> dict:
+        """The chunk of the output's last `count` tokens, which released `text`."""
         hint = self.body.id_slot if output.index == 0 and self.body.id_slot is not None else -1
-        chunk = {"index": output.index, "content": reply.text, "tokens": [reply.token_id], "stop": False,
-                 "id_slot": hint, "tokens_predicted": len(output.ids), "tokens_evaluated": len(output.prompt)}
-        if self.body.n_probs > 0 and reply.logprob is not None:
-            chunk["completion_probabilities"] = [token_probabilities(self.model, reply.logprob)]
+        chunk = {"index": output.index, "content": text, "tokens": output.ids[len(output.ids) - count:],
+                 "stop": False, "id_slot": hint, "tokens_predicted": len(output.ids),
+                 "tokens_evaluated": len(output.prompt)}
+        if self.body.n_probs > 0:
+            chunk["completion_probabilities"] = [token_probabilities(self.model, lp)
+                                                 for lp in output.logprobs[len(output.logprobs) - count:]]
         return chunk
 
     def final(self, output: PromptOutput, done: FinishEvent, *, streamed: bool) -> dict:
-        """The result object of one prompt. Streamed, it carries only the text the end released (the chunks
-        carried the rest) and no token ids or probabilities, as in llama.cpp."""
+        """The result object of one prompt. Streamed, it carries no text, token ids or probabilities (the chunks
+        carried them all), as in llama.cpp."""
         usage = done.usage
         tokenizer = self.model.tokenizer
         result = {
             "index": output.index,
-            "content": done.text if streamed else output.text,
+            "content": "" if streamed else output.text,
             "tokens": output.ids if self.body.return_tokens and not streamed else [],
             "id_slot": done.slot,
             "stop": True,

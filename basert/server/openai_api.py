@@ -170,14 +170,19 @@ async def stream_completion(model: ServedModel, body: CompletionRequest, choices
             if echo_text[index]:
                 yield sse({**base, "choices": [{"index": index, "text": echo_text[index], "finish_reason": None,
                                                 "logprobs": None}]})
+            # Tokens whose text is held back (for a possible stop string, or an unfinished character) wait, and
+            # go out with the chunk that releases their text.
+            ids, lps = [], []
             async for reply in choices.replies(index):
                 finish = reply.finish_reason if isinstance(reply, FinishEvent) else None
-                logprobs = None
-                if isinstance(reply, TokenEvent) and body.logprobs is not None:
-                    logprobs = completion_logprobs(model, [reply.token_id], [reply.logprob], 0)
-                if reply.text or finish or logprobs:
+                if isinstance(reply, TokenEvent):
+                    ids.append(reply.token_id)
+                    lps.append(reply.logprob)
+                if reply.text or finish:
+                    logprobs = completion_logprobs(model, ids, lps, 0) if body.logprobs is not None else None
                     yield sse({**base, "choices": [{"index": index, "text": reply.text, "finish_reason": finish,
                                                     "logprobs": logprobs}]})
+                    ids, lps = [], []
                 if isinstance(reply, FinishEvent):
                     done_list.append(reply)
         if body.stream_options is not None and body.stream_options.include_usage:
