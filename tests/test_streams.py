@@ -1,8 +1,12 @@
 """Streams end to end, on every streaming API: each chunk carries the text of the tokens it comes with (and their
-logprobs), and text held back for a possible stop string goes out with the token that decides it."""
+logprobs), text held back for a possible stop string goes out with the token that decides it, and a server that
+stops while streams run ends each of them with its API's error event and a complete body."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -174,3 +178,67 @@ def test_anthropic_and_responses_streams_carry_the_whole_text(server: ServerProc
         assert events[-1]["type"] == ("response.incomplete" if finish == "length" else "response.completed"), name
         streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
         assert streamed == whole["output"][0]["content"][0]["text"], name
+
+
+# --- a stop while streams run -------------------------------------------------------------------
+
+# Each streaming API: its path and a request that runs far longer than the drain timeout.
+STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
+CUT_STREAMS = {
+    "openai chat": ("/v1/chat/completions", {"messages": STORY, "max_tokens": 400, "ignore_eos": True}),
+    "openai completions": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}),
+    "llama completion": ("/completion", {"prompt": PROMPT, "n_predict": 400, "ignore_eos": True}),
+    "anthropic": ("/v1/messages", {"model": "smollm2", "messages": STORY, "max_tokens": 400}),
+    "responses": ("/v1/responses", {"model": "smollm2", "input": STORY[0]["content"], "max_output_tokens": 400}),
+}
+
+
+def read_stream(url: str, path: str, body: dict, lines: list[str], failures: list[Exception]) -> None:
+    """Read a stream to its end into `lines`; a body cut short is recorded in `failures`."""
+    try:
+        with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            lines.extend(response.iter_lines())
+    except Exception as exc:
+        failures.append(exc)
+
+
+def payloads(lines: list[str]) -> list:
+    """The parsed `data:` payloads of a stream ("[DONE]" as it is)."""
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_drain_timeout_ends_each_stream_with_its_error_event(smollm2_base: Path, tmp_path: Path):
+    proc = ServerProcess(smollm2_base, "--max-context", "1024", "--threads", "2", "--slots", "5",
+                         "--drain-timeout", "1", log_path=tmp_path / "server.log")
+    lines = {name: [] for name in CUT_STREAMS}
+    failures: list[Exception] = []
+    threads = [threading.Thread(target=read_stream, args=(proc.url, path, body, lines[name], failures))
+               for name, (path, body) in CUT_STREAMS.items()]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while not all(len(payloads(got)) >= 4 for got in lines.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.terminate()
+        for thread in threads:
+            thread.join(60)
+        assert failures == []
+        assert proc.wait() == 0, proc.log_text()
+    finally:
+        proc.stop()
+    draining = {"message": "the server is shutting down and stopped this request", "type": "unavailable_error",
+                "param": None, "code": "draining"}
+    chat, completions, llama = (payloads(lines[name]) for name in ("openai chat", "openai completions",
+                                                                   "llama completion"))
+    assert chat[-2:] == [{"error": draining}, "[DONE]"]
+    assert completions[-2:] == [{"error": draining}, "[DONE]"]
+    assert all(not chunk["stop"] for chunk in llama)
+    assert [line for line in lines["llama completion"] if line][-1] == f"error: {json.dumps(draining)}"
+    assert payloads(lines["anthropic"])[-1] == {"type": "error", "error": {"type": "overloaded_error",
+                                                                           "message": draining["message"]}}
+    responses = payloads(lines["responses"])
+    assert [event["type"] for event in responses[-2:]] == ["error", "response.failed"]
+    assert responses[-2]["code"] == "server_error" and responses[-2]["message"] == draining["message"]
+    assert responses[-1]["response"]["status"] == "failed"

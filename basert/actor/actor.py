@@ -24,6 +24,7 @@ from basert.actor.messages import (
     CacheSave,
     Cancel,
     Embed,
+    FailGenerations,
     Generate,
     Message,
     SlotErase,
@@ -175,6 +176,8 @@ class ModelActor:
             self._enqueue(message)
         elif isinstance(message, Cancel):
             self._cancel(message.request_id)
+        elif isinstance(message, FailGenerations):
+            self._fail_generations(message.error)
         elif isinstance(message, Embed):
             self._enqueue_embedding(message)
         else:
@@ -232,6 +235,15 @@ class ModelActor:
         if reply is not None:
             reply.close()
         self._forget_request(request_id)
+
+    def _fail_generations(self, error: Exception) -> None:
+        """End every queued and running generation with `error`: each handler answers it as its API's error (in a
+        stream, the error event that ends the body)."""
+        self.waiting.clear()
+        for request_id in list(self.replies):
+            self.engine.cancel(request_id)
+            self._reply(request_id, FailEvent(request_id, error), final=True)
+            self._forget_request(request_id)
 
     def _forget_request(self, request_id: str) -> None:
         for slot, rid in list(self.slot_requests.items()):

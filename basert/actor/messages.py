@@ -25,6 +25,13 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
+class FailGenerations:
+    """End every queued and running generation with `error` (a drain that ran out of time)."""
+
+    error: Exception
+
+
+@dataclass(frozen=True, slots=True)
 class SlotList:
     reply: trio.MemorySendChannel
 
@@ -70,7 +77,8 @@ class Embed:
     reply: trio.MemorySendChannel
 
 
-Message = Generate | Cancel | SlotList | SlotSave | SlotRestore | SlotErase | Stats | CacheSave | Embed
+Message = (Generate | Cancel | FailGenerations | SlotList | SlotSave | SlotRestore | SlotErase | Stats | CacheSave
+           | Embed)
 
 
 Reply = TokenEvent | FinishEvent | FailEvent

@@ -15,6 +15,8 @@ from basert.server.logs import RepeatedWarningFilter
 log = logging.getLogger("basert.serve")
 
 DEFAULT_LANES = 4  # slots batched together when no flag says otherwise
+# How long the requests the server ends when it stops get to send their error (a stream, its last events).
+ENDED_ANSWER_SECONDS = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "Retry-After (default 0: no limit)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SEC",
                    help="on SIGTERM/SIGINT, new requests get 503 while running ones get up to SEC seconds to "
-                   "finish (default 30); then the caches are saved and the server exits 0")
+                   "finish (default 30); those still running then end with a 503 (a stream with its error event), "
+                   "the caches are saved and the server exits 0")
     p.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages of ORIGIN (scheme://host[:port]) call the server from a browser (repeatable; "
                    "'*' any origin, 'localhost' pages served from this machine); a request from another page's "
@@ -271,12 +274,14 @@ def serve(args: argparse.Namespace) -> int:
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
+    from basert.actor.messages import FailGenerations
     from basert.cli.generate import model_path_for
     from basert.format.atomic import remove_stale_temp_files
     from basert.format.errors import ModelValidationError
     from basert.server.app import ServerSettings, create_app, is_loopback
     from basert.server.asgi import RequestGuard, use_envelope_protocol_errors
     from basert.server.catalog import ModelCatalog
+    from basert.server.errors import unavailable
     from basert.server.files import FilesStore
     from basert.server.generation import ServerLimits
 
@@ -329,13 +334,23 @@ def serve(args: argparse.Namespace) -> int:
     async def main() -> None:
         shutdown = trio.Event()
 
+        async def stop() -> None:
+            # Generations still running are ended with a 503 before the server stops, so that every client gets an
+            # answer: a stream ends with its API's error event and a complete body instead of being cut off.
+            error = unavailable("the server is shutting down and stopped this request", "draining", retry_after=5)
+            for model in catalog.models:
+                model.actor.mailbox.send_nowait(FailGenerations(error))
+            with trio.move_on_after(ENDED_ANSWER_SECONDS):
+                await guarded.wait_idle()
+            shutdown.set()
+
         async def drain() -> None:
             app.basert_state.draining = True
             with trio.move_on_after(args.drain_timeout) as waiting:
                 await guarded.wait_idle()
             if waiting.cancelled_caught:
-                log.warning("drain timeout: %d request(s) still running are cancelled", guarded.in_flight)
-            shutdown.set()
+                log.warning("drain timeout: %d request(s) still running are ended with a 503", guarded.in_flight)
+            await stop()
 
         async def handle_signals(nursery: trio.Nursery) -> None:
             # The receiver stays open until the end, so a second signal cuts the drain short instead of
@@ -347,8 +362,8 @@ def serve(args: argparse.Namespace) -> int:
                 async for signum in signals:
                     name = signal.Signals(signum).name
                     if app.basert_state.draining:
-                        log.info("received %s again: stopping without waiting for running requests", name)
-                        shutdown.set()
+                        log.info("received %s again: ending the running requests and stopping", name)
+                        nursery.start_soon(stop)
                     else:
                         log.info("received %s: draining (new requests get 503; up to %.0f s for running ones)",
                                  name, args.drain_timeout)
