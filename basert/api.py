@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from basert.chat.prompt import plan_chat_prompt
-from basert.chat.reply import ChatChoiceState, assistant_message
+from basert.chat.reply import ChatChoiceState, TurnEnd, assistant_message
 from basert.chat.template import ChatTemplate, ChatTemplateError
 from basert.chat.tool_calls import (
-    CLOSE_TAG,
     ToolCall,
     ToolCallDelta,
     check_forced_tool,
@@ -264,11 +263,12 @@ class Model:
         """The assistant's reply to OpenAI-shaped `messages`, rendered through the chat template with `tools`
         (OpenAI function tools) and parsed into content, reasoning and tool calls exactly as the server does.
 
-        `tool_choice`: "auto", "none", "required" (one or more calls) or a named function
-        (`{"type": "function", "function": {"name": ...}}`, exactly one call); a forced call is enforced by a
-        grammar. `enable_thinking` and `template_kwargs` are variables for the template (the server's
-        `chat_template_kwargs`). A final assistant message is continued. `on_delta(delta)` sees the reply as it
-        is generated; returning False stops it (finish_reason "callback")."""
+        `tool_choice`: "auto", "none" (the tools stay in the prompt; a grammar keeps the reply from opening a
+        call), "required" (one or more calls) or a named function (`{"type": "function", "function": {"name":
+        ...}}`, exactly one call); a forced call is enforced by a grammar. A call that repeats an earlier call of
+        the reply ends it and is dropped. `enable_thinking` and `template_kwargs` are variables for the template
+        (the server's `chat_template_kwargs`). A final assistant message is continued. `on_delta(delta)` sees the
+        reply as it is generated; returning False stops it (finish_reason "callback")."""
         messages = list(messages)
         if not messages:
             raise ValueError("messages is empty")
@@ -276,11 +276,12 @@ class Model:
         if template is None:
             raise ChatTemplateError(f"{self.path} has no chat template: pass chat_template= to Model")
         forced, name = _forced_tool(tool_choice)
-        use_tools = list(tools) if tools and tool_choice != "none" else None
+        use_tools = list(tools) if tools else None
         kwargs = dict(template_kwargs or {})
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
-        plan = plan_chat_prompt(template, self._require_tokenizer(), messages, use_tools, template_kwargs=kwargs,
+        plan = plan_chat_prompt(template, self._require_tokenizer(), messages, use_tools,
+                                may_call=tool_choice != "none", template_kwargs=kwargs,
                                 constrained=forced and bool(use_tools),
                                 continue_final=messages[-1].get("role") == "assistant", segment_ends=self.info.hybrid)
         max_calls = max_calls_per_turn(parallel_tool_calls, name)
@@ -289,11 +290,14 @@ class Model:
             check_forced_tool(use_tools, name)
             grammars = self._grammar_factory()
             constraint = grammars.matcher(grammars.tool_call(use_tools, self.dialect, name=name, max_calls=max_calls))
+        elif use_tools and tool_choice == "none":
+            grammars = self._grammar_factory()
+            constraint = grammars.matcher(grammars.no_tool_call())
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                   repeat_penalty=repeat_penalty, seed=seed)
         request = self._request(plan.prompt, max_tokens, sampling, stop, constraint=constraint,
                                 segment_ends=plan.segment_ends,
-                                stop_after=(CLOSE_TAG, max_calls) if plan.tools else None)
+                                stop_after=TurnEnd(plan, self.dialect, max_calls) if plan.tools else None)
         state = ChatChoiceState.for_plan(plan, self.dialect)
         stats = GenerationStats()
         stopped = False
@@ -313,7 +317,7 @@ class Model:
 
     def _grammar_factory(self) -> GrammarFactory:
         if self._grammars is None:
-            from basert.chat.grammar import GrammarFactory  # llguidance: only for forced tool calls
+            from basert.chat.grammar import GrammarFactory  # llguidance: only for tool_choice other than "auto"
 
             self._grammars = GrammarFactory(self._require_tokenizer())
         return self._grammars

@@ -199,6 +199,36 @@ def test_forced_tool_use_streams_the_same_call(request: pytest.FixtureRequest, m
     assert (final.stop_reason, final.usage.output_tokens) == (message.stop_reason, message.usage.output_tokens)
 
 
+def test_a_repeated_call_ends_the_message_with_one_tool_use(smollm2: Served):
+    """SmolLM2 asked about Rome under `any` (parallel calls allowed) calls weather for Rome twice: the message ends
+    at the repeat, with one tool_use block, streamed or not."""
+    body = {"model": smollm2.model, "max_tokens": 200, "tools": TOOLS, "tool_choice": {"type": "any"},
+            "messages": [user("What is the weather in Rome?")], "extra_body": GREEDY}
+    message = smollm2.client.messages.create(**body)
+    assert [(block.type, block.name, block.input) for block in message.content] == [
+        ("tool_use", "weather", {"city": "Rome"})]
+    assert message.stop_reason == "tool_use"
+    with smollm2.client.messages.stream(**body) as stream:
+        starts = [event.content_block.type for event in stream if event.type == "content_block_start"]
+        final = stream.get_final_message()
+    assert starts == ["tool_use"]
+    assert (blocks(final), final.stop_reason, final.usage.output_tokens) == \
+        (blocks(message), "tool_use", message.usage.output_tokens)
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(smollm2: Served):
+    messages = [user("What is the weather in Rome?")]
+    auto = smollm2.client.messages.count_tokens(model=smollm2.model, tools=TOOLS, messages=messages,
+                                                tool_choice={"type": "auto"})
+    none = smollm2.client.messages.count_tokens(model=smollm2.model, tools=TOOLS, messages=messages,
+                                                tool_choice={"type": "none"})
+    assert none.input_tokens == auto.input_tokens
+    message = smollm2.client.messages.create(model=smollm2.model, max_tokens=8, tools=TOOLS, messages=messages,
+                                             tool_choice={"type": "none"}, extra_body=GREEDY)
+    assert prompt_tokens(message) == auto.input_tokens
+    assert [block.type for block in message.content] == ["text"] and "<tool_call>" not in text_of(message)
+
+
 def test_content_blocks_are_the_same_however_a_call_is_split():
     arguments = '{"city":"Rome","days":2}'
     whole = [ChoiceDelta(0, reasoning="Hm."), ChoiceDelta(0, content="Checking."),

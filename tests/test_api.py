@@ -206,6 +206,30 @@ def test_a_forced_tool_call_comes_back_parsed_as_the_server_parses_it(smollm2_ch
     assert (reply.content, reply.finish_reason) == ("", "tool_calls")
 
 
+def test_a_repeated_call_ends_the_reply_as_it_ends_the_servers(smollm2_chat, smollm2_server: ServerProcess):
+    """SmolLM2 asked about one city under `required` calls for it twice with the same arguments: the reply ends at the
+    repeat, which it drops, and on_delta never sees it."""
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    expected = server_chat(smollm2_server, messages, tools=[WEATHER], tool_choice="required", max_tokens=200)
+    deltas: list[basert.ChatDelta] = []
+    reply = smollm2_chat.chat(messages, [WEATHER], tool_choice="required", max_tokens=200, on_delta=deltas.append)
+    assert_same_reply(reply, expected)
+    assert [(call.name, call.arguments) for call in reply.tool_calls] == [("get_weather", '{"city":"Oslo"}')]
+    assert reply.finish_reason == "tool_calls"
+    pieces = [piece for delta in deltas for piece in delta.tool_calls]
+    assert {piece.index for piece in pieces} == {0}
+    assert [piece.id for piece in pieces if piece.id] == [reply.tool_calls[0].id]
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(smollm2_chat, smollm2_server: ServerProcess):
+    auto = smollm2_chat.chat(ASK_WEATHER, [WEATHER], tool_choice="auto", max_tokens=24)
+    expected = server_chat(smollm2_server, ASK_WEATHER, tools=[WEATHER], tool_choice="none", max_tokens=24)
+    reply = smollm2_chat.chat(ASK_WEATHER, [WEATHER], tool_choice="none", max_tokens=24)
+    assert_same_reply(reply, expected)
+    assert reply.stats.prompt_tokens == auto.stats.prompt_tokens
+    assert reply.tool_calls == [] and reply.content and "<tool_call>" not in reply.content
+
+
 def test_on_delta_streams_the_reply_and_can_stop_it(smollm2_chat):
     messages = [{"role": "user", "content": "Tell me a story about a cat."}]
     deltas: list[basert.ChatDelta] = []

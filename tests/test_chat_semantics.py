@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from basert.chat.tool_calls import MAX_TOOL_CALLS_PER_TURN
+from basert.chat.tool_calls import MAX_TOOL_CALLS_PER_TURN, OPEN_TAG
 from basert.testing.launcher import ServerProcess
 
 SYSTEM = "You are a terse assistant."
@@ -194,14 +194,74 @@ def test_parallel_tool_calls_false_makes_one_call(smollm2_server: ServerProcess)
 
 
 def test_required_calls_stop_at_the_per_turn_limit(smollm2_server: ServerProcess):
-    """SmolLM2 keeps opening calls while more are allowed: the turn ends at the limit, as a tool_calls finish,
-    never by running into max_tokens."""
-    answer = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=tool_request(tool_choice="required"),
-                        timeout=300).json()
-    calls = calls_of(answer)
-    assert 1 <= len(calls) <= MAX_TOOL_CALLS_PER_TURN
+    """SmolLM2 asked about several days keeps opening calls for one more day while more are allowed: calls of the
+    same name with other arguments are all kept, and the turn ends at the limit, as a tool_calls finish, never by
+    running into max_tokens."""
+    question = "What's the weather like in Berlin for the next 3 days?"
+    body = tool_request(messages=[{"role": "user", "content": question}], tool_choice="required")
+    answer = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=300).json()
+    assert calls_of(answer) == [("get_weather", json.dumps({"city": "Berlin", "days": days}, separators=(",", ":")))
+                                for days in range(1, MAX_TOOL_CALLS_PER_TURN + 1)]
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
-    assert all(name == "get_weather" and "city" in json.loads(arguments) for name, arguments in calls)
+
+
+# SmolLM2 asked about one city under `required` calls get_weather for it, then again with the same arguments.
+ONE_CITY = [{"role": "user", "content": "What is the weather in Oslo?"}]
+OSLO_CALL = ("get_weather", '{"city":"Oslo","days":1}')
+
+
+def test_a_repeated_call_ends_the_turn_and_is_neither_returned_nor_streamed(smollm2_server: ServerProcess):
+    body = tool_request(messages=ONE_CITY, tool_choice="required")
+    answer = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert calls_of(answer) == [OSLO_CALL]
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    assert answer["choices"][0]["message"]["content"] is None
+    chunks = stream_chunks(smollm2_server, body)
+    pieces = [d for c in chunks for ch in c["choices"] for d in ch["delta"].get("tool_calls") or []]
+    assert [(piece["index"], piece.get("id") is not None) for piece in pieces][:1] == [(0, True)]
+    assert {piece["index"] for piece in pieces} == {0} and len([piece for piece in pieces if "id" in piece]) == 1
+    assert "".join(piece["function"]["arguments"] for piece in pieces) == OSLO_CALL[1]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
+
+
+def apply_template(server: ServerProcess, body: dict) -> str:
+    response = httpx.post(f"{server.url}/apply-template", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["prompt"]
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_forbids_a_call(smollm2_server: ServerProcess):
+    """A `none` turn has the prompt of an `auto` turn, so it reuses what that turn left in the cache. Pushed towards
+    `<` (SmolLM2 then opens a call under `auto`), it cannot write the call's opening."""
+    body = tool_request(messages=ONE_CITY)
+    prompt = apply_template(smollm2_server, {**body, "tool_choice": "auto"})
+    assert apply_template(smollm2_server, {**body, "tool_choice": "none"}) == prompt
+    assert '"name": "get_weather"' in prompt
+    auto = chat(smollm2_server, ONE_CITY, tools=[WEATHER], tool_choice="auto", max_tokens=8).json()
+    none = chat(smollm2_server, ONE_CITY, tools=[WEATHER], tool_choice="none", max_tokens=8).json()
+    assert none["usage"]["prompt_tokens"] == auto["usage"]["prompt_tokens"]
+    assert none["usage"]["prompt_tokens_details"]["cached_tokens"] == none["usage"]["prompt_tokens"] - 1
+    less_than = {str(token): 5 for token in smollm2_server_tokens(smollm2_server, "<")}
+    pushed = {"tools": [WEATHER], "max_tokens": 24, "logit_bias": less_than}
+    auto = chat(smollm2_server, ONE_CITY, tool_choice="auto", **pushed).json()["choices"][0]["message"]
+    assert auto["content"].startswith(OPEN_TAG)
+    none = chat(smollm2_server, ONE_CITY, tool_choice="none", **pushed).json()["choices"][0]
+    assert none["message"]["content"].startswith("<") and OPEN_TAG not in none["message"]["content"]
+    assert "tool_calls" not in none["message"]
+
+
+def smollm2_server_tokens(server: ServerProcess, text: str) -> list[int]:
+    response = httpx.post(f"{server.url}/tokenize", json={"content": text}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+def test_tool_choice_none_leaves_a_response_format_to_shape_the_output(smollm2_server: ServerProcess):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"],
+              "additionalProperties": False}
+    answer = chat(smollm2_server, ONE_CITY, tools=[WEATHER], tool_choice="none", max_tokens=24, json_schema=schema)
+    assert json.loads(answer.json()["choices"][0]["message"]["content"]) == {"city": "Oslo"}
 
 
 def test_streamed_tool_calls_come_as_a_head_then_argument_fragments(smollm2_server: ServerProcess):

@@ -11,10 +11,12 @@ from basert.chat.grammar import Grammar, GrammarError, GrammarFactory, GrammarMa
 from basert.chat.tool_calls import QWEN_JSON, QWEN_XML, make_tool_parser
 from basert.tokenizer import TOKEN_TYPE_USER_DEFINED, Tokenizer
 
-# Where Qwen2.5 / Qwen3 vocabularies (the fixture's 151,936-id layout) keep `<tool_call>` as one added token;
-# the vocab-only fixture has padding there, so `qwen35_tagged` puts the two tags back, as Qwen3.5 has them.
+# Where Qwen2.5 / Qwen3 vocabularies (the fixture's 151,936-id layout) keep `<tool_call>` and `<think>` as added
+# tokens; the vocab-only fixture has padding there, so `qwen35_tagged` puts the four tags back, as Qwen3.5 has them.
 TOOL_CALL_ID = 151657
 TOOL_CALL_END_ID = 151658
+THINK_ID = 151667
+THINK_END_ID = 151668
 # A model's logits row can be wider than its tokenizer's vocabulary: those ids must never be sampled.
 LOGITS_PADDING = 64
 RANDOM_STEP_LIMIT = 200
@@ -90,10 +92,11 @@ XML_TEXT_CALL = (
 
 
 def tagged_object(obj: dict) -> dict:
-    """The Qwen3.5 vocab object with `<tool_call>` and `</tool_call>` as added tokens at their released ids."""
+    """The Qwen3.5 vocab object with the tool-call and thinking tags as added tokens at their released ids."""
     tokens = list(obj["tokenizer.ggml.tokens"])
     types = list(obj["tokenizer.ggml.token_type"])
-    for token_id, text in ((TOOL_CALL_ID, "<tool_call>"), (TOOL_CALL_END_ID, "</tool_call>")):
+    for token_id, text in ((TOOL_CALL_ID, "<tool_call>"), (TOOL_CALL_END_ID, "</tool_call>"),
+                           (THINK_ID, "<think>"), (THINK_END_ID, "</think>")):
         tokens[token_id] = text
         types[token_id] = TOKEN_TYPE_USER_DEFINED
     return {**obj, "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}
@@ -317,6 +320,26 @@ def test_padding_and_special_ids_never_allowed_inside_text(factories, tokenizers
     logits = np.zeros(factory.vocab_size + LOGITS_PADDING, dtype=np.float32)
     matcher.apply(logits)
     assert np.all(logits[factory.vocab_size :] == -np.inf)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen35", "qwen35_tagged"])
+def test_no_tool_call_allows_any_text_but_a_call_opening(factories, tokenizers, name: str) -> None:
+    """tool_choice "none": any text, ended anywhere, but never the open tag (as text or as its added token)."""
+    factory, tokenizer = factories[name], tokenizers[name]
+    grammar = factory.no_tool_call()
+    text = "Compare a <tool_cal> b, <tool_call without its bracket, tool_call> and </tool_call>.\n"
+    matcher = factory.matcher(grammar)
+    assert run_text(matcher, tokenizer, text) is None
+    assert set(tokenizer.eos_ids) <= allowed_ids(matcher)
+    assert_refused_at_mark(factory, grammar, tokenizer, f"{text}Now: <tool_call|>")
+    if name == "qwen35_tagged":
+        # Added tokens other than the tag's (a template's thinking tags) may come anywhere between texts.
+        assert {THINK_ID, THINK_END_ID} <= allowed_ids(factory.matcher(grammar))
+        assert TOOL_CALL_ID not in allowed_ids(factory.matcher(grammar))
+        thinking = "<think>\nA plan <tool_\n</think>\n\ncall> is text.</think>"
+        assert tokenizer.encode(thinking).count(THINK_END_ID) == 2
+        assert run_text(factory.matcher(grammar), tokenizer, thinking) is None
+        assert_refused_at_mark(factory, grammar, tokenizer, "<think>\nNo.\n</think>\n\n<tool_call|>")
 
 
 # --- random models terminate with valid output ---------------------------------------------------

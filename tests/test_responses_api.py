@@ -199,6 +199,32 @@ def test_forced_tool_calls_equal_chat_by_items_and_by_previous_response(smollm2_
         assert after.usage.input_tokens_details.cached_tokens >= before.usage.input_tokens - 1 > 0
 
 
+def test_a_repeated_call_ends_the_response_completed(smollm2_server: ServerProcess):
+    """SmolLM2 asked about Rome under `required` calls weather for it twice with the same arguments: the response
+    ends at the repeat, completed, with one call, and the stream never opens a second."""
+    body = {"model": "model", "input": "What is the weather in Rome?", "tools": TOOLS, "tool_choice": "required",
+            "temperature": 0}
+    response = client_of(smollm2_server).responses.create(**body)
+    assert response.status == "completed"
+    assert items_of(response) == [("function_call", "completed", "weather", '{"city":"Rome"}')]
+    events = stream_events(smollm2_server, body)
+    assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"] == ["function_call"]
+    final = Response.model_validate(events[-1]["response"])
+    assert (events[-1]["type"], items_of(final)) == ("response.completed", items_of(response))
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(smollm2_server: ServerProcess):
+    """A turn with tool_choice none has the prompt of one that may call, so it reuses that one's cached prefix."""
+    client = client_of(smollm2_server)
+    body = {"model": "model", "input": "What is the weather in Rome?", "tools": TOOLS, "max_output_tokens": 8,
+            "temperature": 0}
+    auto = client.responses.create(**body, tool_choice="auto")
+    none = client.responses.create(**body, tool_choice="none")
+    assert none.usage.input_tokens == auto.usage.input_tokens
+    assert none.usage.input_tokens_details.cached_tokens == none.usage.input_tokens - 1
+    assert [item.type for item in none.output] == ["message"] and "<tool_call>" not in none.output_text
+
+
 def test_stored_responses(smollm2_server: ServerProcess):
     client = client_of(smollm2_server)
     kept = client.responses.create(model="model", input="Name one color.", max_output_tokens=16, temperature=0)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from basert.chat.prompt import ChatPlan
+from basert.chat.reply import TurnEnd
 from basert.chat.tool_calls import (
     CLOSE_TAG,
     OPEN_TAG,
@@ -133,6 +135,43 @@ CASES = {
         'Looking it up.\n<tool_call>\n{"name": "get_wea',
         [],
         truncated=True,
+    ),
+    # A call that repeats an earlier one of the turn (its arguments in any order and spacing) ends the turn: it
+    # and all after it are dropped.
+    "json_repeat_ends_the_turn": Case(
+        QWEN_JSON,
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name":"get_weather","arguments":{"days":3,"city":"Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "configure", "arguments": {}}\n</tool_call>\nMore text.',
+        "Checking.",
+        [("get_weather", '{"city":"Oslo","days":3}'), ("get_weather", '{"city":"Paris"}')],
+    ),
+    # Arguments given as a JSON string (no streamed head) repeat a call all the same.
+    "json_repeat_without_a_streamed_head": Case(
+        QWEN_JSON,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>\nMore.',
+        "",
+        [("get_weather", '{"city":"Oslo"}')],
+    ),
+    "xml_repeat_ends_the_turn": Case(
+        QWEN_XML,
+        "<tool_call>\n<function=configure>\n<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=configure>\n<parameter=count>\n3\n</parameter>\n</function>\n</tool_call>",
+        "",
+        [("configure", '{"count":3}')],
+    ),
+    # The same name with other arguments (JSON-wise: 3 and 3.0 differ, as do a subset and the whole) is kept.
+    "json_other_arguments_are_kept": Case(
+        QWEN_JSON,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3.0}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "configure", "arguments": {"city": "Oslo"}}\n</tool_call>\nDone.',
+        "Done.",
+        [("get_weather", '{"city":"Oslo","days":3}'), ("get_weather", '{"city":"Oslo","days":3.0}'),
+         ("get_weather", '{"city":"Oslo"}'), ("configure", '{"city":"Oslo"}')],
     ),
 }
 
@@ -280,6 +319,43 @@ def test_arguments_stream_as_each_one_completes(dialect: str, pieces: list[str],
     assert (call.name, call.arguments) == ("get_weather", '{"city":"Oslo","days":3}')
 
 
+def test_a_call_that_could_repeat_an_earlier_one_is_held_until_it_differs() -> None:
+    """While its name and arguments so far agree with an earlier call, nothing of a call goes out; once one
+    argument differs, its head and the arguments so far go out, then it streams as any call."""
+    parser = make_tool_parser(QWEN_JSON, TOOLS)
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>\n'
+    parser.feed(first)
+    pieces = ['<tool_call>\n{"name": "get_weather", "arguments": {', '"city": "Oslo", ', '"days": 4, ',
+              '"unit": "C"', "}}\n</tool_call>"]
+    sent = [[(d.index, d.name, d.arguments) for d in parser.feed(piece).tool_deltas] for piece in pieces]
+    assert sent == [[], [], [(1, "get_weather", ""), (1, None, '{"city":"Oslo","days":4')], [],
+                    [(1, None, ',"unit":"C"'), (1, None, "}")]]
+    assert not parser.turn_over
+    repeat = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
+    assert [parser.feed(char).tool_deltas for char in repeat] == [[]] * len(repeat)
+    assert parser.turn_over
+    assert parser.feed("After.").content == "" and parser.finish(False).content == ""
+    assert [call.arguments for call in parser.tool_calls] == ['{"city":"Oslo","days":3}',
+                                                             '{"city":"Oslo","days":4,"unit":"C"}']
+
+
+def test_the_turn_ends_on_the_character_that_closes_a_repeat_or_the_last_allowed_call() -> None:
+    """TurnEnd, as the engine asks it after every token, says the turn is over exactly where the reply's parser
+    ends it: at the close of a repeated call, or of the last call the turn may make; a call inside reasoning does
+    not count."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    plan = ChatPlan([], TOOLS, starts_in_reasoning=False, has_reasoning=True)
+    for text, max_calls, closes in [
+        (f"<think>{call}\n{call}</think>{call}\n{other}\n{call}\nrest", 8, 5),
+        (f"{call}\n{other}\n{other}", 2, 2),
+    ]:
+        turn = TurnEnd(plan, QWEN_JSON, max_calls)
+        end = next(i for i in range(len(text) + 1) if turn.reached(text[:i]))
+        assert text[:end].endswith(CLOSE_TAG)
+        assert text[:end].count(CLOSE_TAG) == closes
+
+
 def test_call_ids_are_unique_and_prefixed() -> None:
     parser = make_tool_parser(QWEN_JSON, TOOLS, id_prefix="chatcmpl-tool-")
     parser.feed(CASES["json_two_calls"].text)
@@ -380,10 +456,11 @@ def test_json_dialect_argument_forms(body: str, arguments: str) -> None:
 
 def test_whitespace_between_content_and_calls() -> None:
     call = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "configure", "arguments": {}}\n</tool_call>'
     # Whitespace only around calls is dropped; between two pieces of content it stays, once.
-    assert parse(QWEN_JSON, f"\n\n{call}\n\n{call}\n\n")[0] == ""
+    assert parse(QWEN_JSON, f"\n\n{call}\n\n{other}\n\n")[0] == ""
     assert (
-        parse(QWEN_JSON, f"Before.\n\n{call}\n{call}\nAfter.")[0] == "Before.\n\nAfter."
+        parse(QWEN_JSON, f"Before.\n\n{call}\n{other}\nAfter.")[0] == "Before.\n\nAfter."
     )
     assert parse(QWEN_JSON, f"\n\n{call}\n\nAfter.")[0] == "After."
 

@@ -51,7 +51,7 @@ class Grammar:
 class GrammarFactory:
     """Compiles constraints against one model's vocabulary (built once per model: about a second)."""
 
-    __slots__ = ("_lltokenizer", "_tokenizer", "_usable", "vocab_size")
+    __slots__ = ("_lltokenizer", "_no_call", "_specials", "_tokenizer", "_usable", "vocab_size")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         # The first EOS id is the one llguidance names; every turn end ends a complete output.
@@ -64,8 +64,15 @@ class GrammarFactory:
         # One bit per id, clear for padding entries: llguidance would take `[PAD151646]` for plain text.
         self._usable = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
         usable_bits = np.unpackbits(self._usable.view(np.uint8), bitorder="little")
-        usable_bits[_padding_ids(json.loads(hf_json))] = 0
+        hf = json.loads(hf_json)
+        padding = _padding_ids(hf)
+        usable_bits[padding] = 0
         self._usable.view(np.uint8)[:] = np.packbits(usable_bits, bitorder="little")
+        # Added tokens llguidance matches only by id (never as their text), end-of-turn and padding ones aside.
+        ends = set(eos) | set(padding)
+        self._specials = sorted({token["id"] for token in hf.get("added_tokens", [])
+                                 if token["id"] not in ends and self._lltokenizer.is_special_token(token["id"])})
+        self._no_call: Grammar | None = None
 
     def json_schema(self, schema: dict) -> Grammar:
         """Output one compact JSON value matching `schema` (response_format json_schema)."""
@@ -112,6 +119,18 @@ class GrammarFactory:
             return self._compile(LLMatcher.grammar_from_lark("\n".join([start, call, *rules])))
         except GrammarError as error:
             raise self._tool_error(documents, error) from None
+
+    def no_tool_call(self) -> Grammar:
+        """Any output that never opens a tool call (`tool_choice` "none" with the tools in the prompt)."""
+        if self._no_call is None:
+            # The text may not hold the open tag; added tokens (a template's `<think>`, say) may come between
+            # texts, except those the tag is made of. TEXTs never meet, so the tag cannot span two of them.
+            opening = set(self._tokenizer.encode(OPEN_TAG))
+            specials = " | ".join(f"<[{token_id}]>" for token_id in self._specials if token_id not in opening)
+            rules = ["start: TEXT? (special TEXT?)*", f"special: {specials}"] if specials else ["start: TEXT?"]
+            rules.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(OPEN_TAG)}(?s:.*)/")
+            self._no_call = self._compile(LLMatcher.grammar_from_lark("\n".join(rules)))
+        return self._no_call
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A fresh matcher at the start of `grammar`, for one choice of one request."""

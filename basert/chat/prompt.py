@@ -28,11 +28,13 @@ class ChatPlan:
 
 
 def plan_chat_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None,
-                     *, template_kwargs: dict[str, Any] | None = None, constrained: bool = False,
-                     continue_final: bool = False, add_generation_prompt: bool = True,
+                     *, may_call: bool = True, template_kwargs: dict[str, Any] | None = None,
+                     constrained: bool = False, continue_final: bool = False, add_generation_prompt: bool = True,
                      segment_ends: bool = False) -> ChatPlan:
-    """Render OpenAI-shaped `messages` and the `tools` the output may call (None: no tools) and tokenize them.
+    """Render OpenAI-shaped `messages` and the request's `tools` (None: no tools) and tokenize them.
 
+    `may_call`: the output may call the tools (false for `tool_choice` "none": the tools are rendered all the same,
+    so the prompt, and the prefix cache it hits, is the one a turn that may call them has).
     `constrained`: a grammar will shape the output, so thinking is off unless `template_kwargs` says otherwise.
     `continue_final`: the prompt continues the final message (a prefill) rather than opening a new turn.
     `segment_ends`: say where the system prompt and the previous turn end (hybrid models keep their state there).
@@ -58,7 +60,7 @@ def plan_chat_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: lis
     prompt = encoder.encode(rendered)
     has_reasoning = "<think>" in (tokenizer.chat_template or "") or "<think>" in rendered
     ends = message_boundaries(encoder, messages, rendered, prompt) if segment_ends else ()
-    return ChatPlan(prompt, tools, opens_in_prompt(rendered), has_reasoning, ends)
+    return ChatPlan(prompt, tools if may_call else None, opens_in_prompt(rendered), has_reasoning, ends)
 
 
 def render_prefill(template: ChatTemplate, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:

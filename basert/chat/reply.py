@@ -78,6 +78,26 @@ class ChatChoiceState:
         return assistant_message(self.content, self.reasoning_text, self.tool_calls)
 
 
+class TurnEnd:
+    """Where the engine ends a turn that may call tools: once `max_calls` call bodies closed, or when a call repeats an
+    earlier one of the turn (see ToolCallParser). It runs the reply's own parsers over the engine's output text, so
+    generation stops on the very token where the reply's parsers end the turn."""
+
+    __slots__ = ("_fed", "_max_calls", "_state")
+
+    def __init__(self, plan: ChatPlan, dialect: str, max_calls: int) -> None:
+        self._state = ChatChoiceState.for_plan(plan, dialect)
+        self._max_calls = max_calls
+        self._fed = 0
+
+    def reached(self, text: str) -> bool:
+        """Whether the output `text` so far (it only grows) ends the turn."""
+        self._state.feed(text[self._fed:])
+        self._fed = len(text)
+        tools = self._state.tools
+        return tools is not None and (tools.turn_over or tools.closed >= self._max_calls)
+
+
 def assistant_message(content: str, reasoning: str, tool_calls: list[ToolCall]) -> dict:
     """An OpenAI assistant message: `content` None when the reply is only tool calls, `reasoning_content` and
     `tool_calls` when there are any."""

@@ -23,7 +23,7 @@ OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 
 # The most tool calls one assistant turn may make: generation stops when the model closes that many. A weak model
-# allowed more than one call can keep opening new ones until max_tokens.
+# allowed more than one call can keep opening new ones until max_tokens (or repeating one: see ToolCallParser).
 MAX_TOOL_CALLS_PER_TURN = 8
 
 # The same wording as Qwen3's own template, so a model trained on that format recognises it.
@@ -151,6 +151,11 @@ class ToolCallParser(ABC):
     closing fragment (its arguments stay incomplete JSON, so no client can take it for a complete call). The
     outcome depends only on the text, never on how it was split. Whitespace that only separates content from
     calls is dropped.
+
+    A call with the same name and arguments as an earlier call of the turn ends the turn (`turn_over`): it is
+    dropped, and so is everything after it. While a call could still be such a repeat (its name and every
+    argument so far agree with an earlier call) its deltas are held back, so a repeat never goes out; a held
+    call goes out, in one fragment so far, as soon as it differs from every earlier call, else when it closes.
     """
 
     __slots__ = (
@@ -161,8 +166,11 @@ class ToolCallParser(ABC):
         "_held_ws",
         "_id_prefix",
         "_in_call",
+        "_made",
         "_next_index",
+        "closed",
         "tool_calls",
+        "turn_over",
     )
 
     def __init__(self, id_prefix: str = "call_") -> None:
@@ -180,6 +188,11 @@ class ToolCallParser(ABC):
         self.tool_calls: list[ToolCall] = []
         # The stream index of the next call: a call that went out and then failed keeps its index.
         self._next_index = 0
+        # (name, arguments as key -> compact JSON value) of each call made, to recognise a repeat.
+        self._made: list[tuple[str, dict[str, str]]] = []
+        # Close tags that ended a call body, well-formed or not (the per-turn limit counts them).
+        self.closed = 0
+        self.turn_over = False
 
     @property
     def content(self) -> str:
@@ -189,6 +202,8 @@ class ToolCallParser(ABC):
     def feed(self, text: str) -> ParserEvents:
         """Take the next piece of generated text; return what can be streamed now."""
         events = ParserEvents()
+        if self.turn_over:
+            return events
         self._buffer += text
         while self._step(events):
             pass
@@ -197,6 +212,8 @@ class ToolCallParser(ABC):
     def finish(self, truncated: bool) -> ParserEvents:
         """End of generation: an unterminated call is content, truncated by max_tokens or not."""
         events = ParserEvents()
+        if self.turn_over:
+            return events
         if self._in_call:
             self._in_call = False
             self._stream(self._buffer, events)
@@ -231,6 +248,7 @@ class ToolCallParser(ABC):
             body = self._buffer[:end]
             self._buffer = self._buffer[end + len(CLOSE_TAG) :]
             self._in_call = False
+            self.closed += 1
             parsed = self._parse_body(body)
             self._stream(body, events)
             call, self._call = self._call, None
@@ -238,7 +256,9 @@ class ToolCallParser(ABC):
                 self._close_call(body, parsed, events)
             elif not self._close_streamed_call(call, parsed, events):
                 self._text(OPEN_TAG + body + CLOSE_TAG, events)
-            return True
+            if self.turn_over:
+                self._buffer = ""
+            return not self.turn_over
         start = self._buffer.find(OPEN_TAG)
         if start < 0:
             keep = partial_tag_length(self._buffer, OPEN_TAG)
@@ -258,28 +278,46 @@ class ToolCallParser(ABC):
             if head is None:
                 return
             name, position = head
-            call = self._call = _StreamingCall(f"{self._id_prefix}{uuid4().hex[:24]}", name, position,
-                                               self._next_index)
-            self._next_index += 1
-            events.tool_deltas.append(ToolCallDelta(call.index, call.id, name, ""))
+            call = self._call = _StreamingCall(f"{self._id_prefix}{uuid4().hex[:24]}", name, position)
+            call.alike = [members for made, members in self._made if made == name]
+            if not call.alike:
+                self._send_head(call, events)
         while (member := self._member(body, call.position)) is not None:
             key, value, call.position = member
             fragment = ("," if call.arguments else "{") + _dump_member(key, value)
             call.arguments += fragment
-            events.tool_deltas.append(ToolCallDelta(call.index, None, None, fragment))
+            if call.index is not None:
+                events.tool_deltas.append(ToolCallDelta(call.index, None, None, fragment))
+                continue
+            value_json = _dump(value)
+            call.alike = [members for members in call.alike if members.get(key) == value_json]
+            if not call.alike:
+                self._send_head(call, events)
+
+    def _send_head(self, call: _StreamingCall, events: ParserEvents) -> None:
+        """Send a held call's id and name, then the argument fragments held so far as one."""
+        call.index = self._next_index
+        self._next_index += 1
+        events.tool_deltas.append(ToolCallDelta(call.index, call.id, call.name, ""))
+        if call.arguments:
+            events.tool_deltas.append(ToolCallDelta(call.index, None, None, call.arguments))
 
     def _close_streamed_call(self, call: _StreamingCall, parsed: tuple[str, dict[str, Any]] | None,
                              events: ParserEvents) -> bool:
         """Send the rest of a streamed call whose body is complete; False when the body does not parse as that
-        call (then it is content, and the streamed call stays unterminated)."""
+        call (then it is content, and a call that went out stays unterminated)."""
         if parsed is None or parsed[0] != call.name:
             return False
+        if call.index is None:
+            # Held to the end: it agreed with an earlier call all along.
+            if self._repeats(call.name, parsed[1]):
+                return True
+            self._send_head(call, events)
         complete = _dump(parsed[1])
         # Arguments written twice parse to the last value: the fragments sent stand, closed as they are.
         rest = complete[len(call.arguments):] if complete.startswith(call.arguments) else "}"
         events.tool_deltas.append(ToolCallDelta(call.index, None, None, rest))
-        self.tool_calls.append(ToolCall(call.id, call.name, call.arguments + rest))
-        self._after_call = True
+        self._made_call(ToolCall(call.id, call.name, call.arguments + rest), parsed[1])
         return True
 
     def _close_call(self, body: str, parsed: tuple[str, dict[str, Any]] | None, events: ParserEvents) -> None:
@@ -289,10 +327,22 @@ class ToolCallParser(ABC):
             self._text(OPEN_TAG + body + CLOSE_TAG, events)
             return
         name, arguments = parsed
+        if self._repeats(name, arguments):
+            return
         call = ToolCall(f"{self._id_prefix}{uuid4().hex[:24]}", name, _dump(arguments))
         events.tool_deltas.append(ToolCallDelta(self._next_index, call.id, call.name, call.arguments))
         self._next_index += 1
+        self._made_call(call, arguments)
+
+    def _repeats(self, name: str, arguments: dict[str, Any]) -> bool:
+        """True, and the turn is over, when an earlier call of the turn had this name and these arguments."""
+        if (name, _members(arguments)) in self._made:
+            self.turn_over = True
+        return self.turn_over
+
+    def _made_call(self, call: ToolCall, arguments: dict[str, Any]) -> None:
         self.tool_calls.append(call)
+        self._made.append((call.name, _members(arguments)))
         self._after_call = True
 
     def _text(self, text: str, events: ParserEvents) -> None:
@@ -319,13 +369,15 @@ class ToolCallParser(ABC):
 
 @dataclass(slots=True)
 class _StreamingCall:
-    """A call whose head went out: its id and name, the arguments sent so far, where the next argument starts."""
+    """A call whose head is complete: its id and name, its stream index once it went out (None while held), the
+    argument fragments so far, where the next argument starts, and the earlier calls it could still repeat."""
 
     id: str
     name: str
     position: int
-    index: int
+    index: int | None = None
     arguments: str = ""
+    alike: list[dict[str, str]] = field(default_factory=list)
 
 
 _JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\n]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
@@ -437,13 +489,20 @@ def make_tool_parser(
     raise ValueError(f"unknown tool-call dialect {dialect!r}")
 
 
-def _dump(arguments: dict[str, Any]) -> str:
-    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+def _dump(value: Any) -> str:
+    """Compact JSON, as every argument fragment is written."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _dump_member(key: str, value: Any) -> str:
     """`"key":value` as it appears inside `_dump` of an object holding it."""
     return _dump({key: value})[1:-1]
+
+
+def _members(arguments: dict[str, Any]) -> dict[str, str]:
+    """Arguments as key -> compact JSON of the value: equal for the same arguments in any order, and unequal for
+    values Python equates but JSON does not (1, 1.0, true)."""
+    return {key: _dump(value) for key, value in arguments.items()}
 
 
 def _reject_constant(name: str) -> None:

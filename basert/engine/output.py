@@ -19,8 +19,7 @@ class RequestOutput:
     """The output side of one running request."""
 
     __slots__ = ("request", "detokenizer", "generated", "text", "released", "cached_tokens", "started",
-                 "prefill_started", "prefill_done", "first_token_at", "last_token_at", "timed_out", "stop_word",
-                 "stop_after_seen", "stop_after_from")
+                 "prefill_started", "prefill_done", "first_token_at", "last_token_at", "timed_out", "stop_word")
 
     def __init__(self, request: GenerationRequest, tokenizer: Tokenizer | None, cached_tokens: int):
         self.request = request
@@ -36,8 +35,6 @@ class RequestOutput:
         self.last_token_at = 0.0         # the last generated token (not an end-of-sequence) was sampled
         self.timed_out = False
         self.stop_word = ""              # the stop string that ended the generation
-        self.stop_after_seen = 0         # occurrences of request.stop_after's string in the text so far
-        self.stop_after_from = 0         # where the search for the next occurrence starts
 
     def add(self, token: int, context_full: bool, now: float) -> str | None:
         """Append a generated token (not an end-of-sequence); the finish reason it causes, or None."""
@@ -48,7 +45,7 @@ class RequestOutput:
             self.text += self.detokenizer.push(token)
         if request.constraint is not None and request.constraint.is_finished:
             return "stop"
-        if self._hit_stop_string() or self._reached_stop_after():
+        if self._hit_stop_string() or (request.stop_after is not None and request.stop_after.reached(self.text)):
             return "stop"
         if len(self.generated) >= request.max_tokens or context_full:
             return "length"
@@ -107,12 +104,3 @@ class RequestOutput:
                 self.stop_word = stop
                 return True
         return False
-
-    def _reached_stop_after(self) -> bool:
-        if self.request.stop_after is None:
-            return False
-        marker, count = self.request.stop_after
-        while (at := self.text.find(marker, self.stop_after_from)) >= 0:
-            self.stop_after_seen += 1
-            self.stop_after_from = at + len(marker)
-        return self.stop_after_seen >= count

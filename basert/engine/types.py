@@ -24,6 +24,12 @@ class TokenConstraint(Protocol):
     def is_finished(self) -> bool: ...
 
 
+class OutputStop(Protocol):
+    """Says, token by token, whether the output text so far ends the generation."""
+
+    def reached(self, text: str) -> bool: ...
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """Everything the engine needs to run one completion (one choice)."""
@@ -37,9 +43,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     deadline: float | None = None          # time.monotonic() after which generation stops ("length")
     segment_ends: tuple[int, ...] = ()     # prompt positions where a chat segment ends (e.g. the system prompt)
-    # Stop ("stop", the text kept) once the output holds this string this many times: a tool-call close tag
-    # and the most calls a turn may make, for example.
-    stop_after: tuple[str, int] | None = None
+    # Stop ("stop", the text kept) once this says the output text so far is complete: where a chat turn's tool
+    # calls end, for example. One per request: it may follow the text as it grows.
+    stop_after: OutputStop | None = None
 
 
 @dataclass(frozen=True, slots=True)

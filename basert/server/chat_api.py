@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from basert.chat.prompt import ChatPlan, plan_chat_prompt
-from basert.chat.reply import ChatChoiceState
+from basert.chat.reply import ChatChoiceState, TurnEnd
 from basert.chat.template import ChatTemplate
-from basert.chat.tool_calls import CLOSE_TAG, ToolCallDelta, check_forced_tool, max_calls_per_turn
+from basert.chat.tool_calls import ToolCallDelta, check_forced_tool, max_calls_per_turn
 from basert.engine.types import FinishEvent, TokenEvent
 from basert.server.access_log import RequestRecord
 from basert.server.catalog import ServedModel
@@ -65,9 +65,9 @@ def render_chat(template: ChatTemplate, tokenizer: Tokenizer, body: ChatCompleti
     """`plan_chat` for a template and tokenizer held outside a served model (the cluster's router)."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    use_tools = tools if (tools and body.tool_choice != "none") else None
-    return plan_chat_prompt(template, tokenizer, messages, use_tools, template_kwargs=body.chat_template_kwargs,
-                            constrained=is_constrained(body, use_tools), continue_final=continues_final_message(body),
+    return plan_chat_prompt(template, tokenizer, messages, tools, may_call=body.tool_choice != "none",
+                            template_kwargs=body.chat_template_kwargs, constrained=is_constrained(body, tools),
+                            continue_final=continues_final_message(body),
                             add_generation_prompt=body.add_generation_prompt, segment_ends=segment_ends)
 
 
@@ -91,7 +91,9 @@ def calls_allowed(body: ChatCompletionRequest) -> int:
 
 
 def constraint_factory_for(model: ServedModel, body: ChatCompletionRequest, tools: list[dict] | None):
-    """A per-choice grammar matcher factory for forced tool calls and constrained output formats, or None."""
+    """A per-choice grammar matcher factory for forced tool calls, constrained output formats and `tool_choice`
+    "none" with tools (no call may open; a format's grammar alone when one is given: its output is no call), or
+    None."""
     forced, forced_name = forced_tool(body)
     if forced:
         check_forced_tool(tools, forced_name)
@@ -99,6 +101,8 @@ def constraint_factory_for(model: ServedModel, body: ChatCompletionRequest, tool
         grammar = factory.tool_call(tools, model.dialect, name=forced_name, max_calls=calls_allowed(body))
         return lambda: factory.matcher(grammar)
     grammar = output_grammar(model, body)
+    if grammar is None and body.tools and body.tool_choice == "none":
+        grammar = model.grammar_factory().no_tool_call()
     if grammar is None:
         return None
     factory = model.grammar_factory()
@@ -202,7 +206,7 @@ async def start_chat(model: ServedModel, body: ChatCompletionRequest, limits: Se
     plan = plan_chat(model, body)
     want_logprobs = body.logprobs or body.top_logprobs > 0
     response_id = new_id(id_prefix)
-    stop_after = (CLOSE_TAG, calls_allowed(body)) if plan.tools else None
+    stop_after = (lambda: TurnEnd(plan, model.dialect, calls_allowed(body))) if plan.tools else None
     requests = engine_requests(model, body, plan.prompt, max_tokens_of(body), limits,
                                logprobs=want_logprobs, top_logprobs=body.top_logprobs,
                                constraint_factory=constraint_factory_for(model, body, plan.tools),

@@ -6,7 +6,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import trio
@@ -14,7 +14,7 @@ import trio
 from basert.actor.messages import Cancel, Generate
 from basert.engine.runner import ContextOverflowError
 from basert.engine.sampler import SamplingParams, TokenLogprob
-from basert.engine.types import FailEvent, FinishEvent, GenerationRequest, TokenEvent
+from basert.engine.types import FailEvent, FinishEvent, GenerationRequest, OutputStop, TokenEvent
 from basert.server.catalog import ServedModel
 from basert.server.errors import ApiError, invalid
 from basert.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -40,8 +40,8 @@ def sampling_params(body: SamplingFields, choice: int, logprobs: bool, top_logpr
 def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int], max_tokens: int | None,
                     limits: ServerLimits, *, logprobs: bool, top_logprobs: int, constraint_factory=None,
                     id_prefix: str, segment_ends: tuple[int, ...] = (),
-                    stop_after: tuple[str, int] | None = None) -> list[GenerationRequest]:
-    """One GenerationRequest per choice (each with its own sampler seed and grammar matcher)."""
+                    stop_after: Callable[[], OutputStop] | None = None) -> list[GenerationRequest]:
+    """One GenerationRequest per choice (each with its own sampler seed, grammar matcher and `stop_after()`)."""
     if len(prompt) + 1 > model.info.n_ctx:
         raise ContextOverflowError(len(prompt), model.info.n_ctx)
     if not prompt:
@@ -62,7 +62,7 @@ def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int],
             ignore_eos=body.ignore_eos,
             deadline=deadline,
             segment_ends=segment_ends,
-            stop_after=stop_after,
+            stop_after=stop_after() if stop_after else None,
         ))
     return requests
 
