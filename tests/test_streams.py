@@ -18,7 +18,7 @@ from basert.testing.launcher import ServerProcess
 from basert.testing.pool import ServerPool
 
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
-PROMPT = "The capital of France is"
+PROMPT = "The capital of France is"      # a text completion that runs on (with ignore_eos)
 NEVER = "\u00a7\u00a7"     # a text SmolLM2 does not write: a stop string made of a token's text and this is held back
 
 
@@ -35,10 +35,17 @@ def chat_tokens(server: ServerProcess) -> list[str]:
     return [entry["token"] for entry in whole["choices"][0]["logprobs"]["content"]]
 
 
-def completion_tokens(server: ServerProcess) -> list[str]:
-    """The texts of the first 12 tokens of the greedy continuation of PROMPT."""
-    whole = answer(post(server.url, "/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 12,
+def rendered_chat(server: ServerProcess) -> str:
+    """MESSAGES rendered by the model's chat template: a completion prompt whose greedy output ends at the
+    end-of-sequence token."""
+    return answer(post(server.url, "/apply-template", {"messages": MESSAGES}))["prompt"]
+
+
+def completion_tokens(server: ServerProcess, prompt: str) -> list[str]:
+    """The texts of the tokens of the greedy continuation of `prompt`, which ends at the end-of-sequence token."""
+    whole = answer(post(server.url, "/completion", {"prompt": prompt, "temperature": 0, "n_predict": 200,
                                                     "n_probs": 1}))
+    assert whole["stop_type"] == "eos"
     return [entry["token"] for entry in whole["completion_probabilities"]]
 
 
@@ -55,7 +62,7 @@ def token_groups(tokens: list[str], stop: str = "") -> list[list[str]]:
     return groups + [group] if group else groups
 
 
-def ending_cases(tokens: list[str], *, eos: bool) -> list[tuple[str, dict, str, list[list[str]]]]:
+def ending_cases(tokens: list[str]) -> list[tuple[str, dict, str, list[list[str]]]]:
     """(name, request fields, finish reason, the tokens each chunk carries) for each way a generation ends, with and
     without text held back for a stop string; `tokens` is the greedy output of the request."""
     # A token that could start the stop string, and the next token (before the end) decides that it does not.
@@ -70,16 +77,13 @@ def ending_cases(tokens: list[str], *, eos: bool) -> list[tuple[str, dict, str, 
         ("held at length", {"max_tokens": held + 1, "stop": [stop]}, "length", token_groups(tokens[:held + 1], stop)),
     ]
     at = next(i for i in range(3, len(tokens)) if tokens[i].strip() and tokens[i] not in "".join(tokens[:i]))
-    cases.append(("stop string", {"max_tokens": 100, "stop": [tokens[at]]}, "stop",
-                  token_groups(tokens[:at + 1], tokens[at])))
-    if eos:
-        cases += [
-            ("eos", {"max_tokens": 200}, "stop", token_groups(tokens)),
-            # The end of the sequence decides about the held last token: it goes out with the end.
-            ("held at eos", {"max_tokens": 200, "stop": [tokens[-1] + NEVER]}, "stop",
-             token_groups(tokens, tokens[-1] + NEVER)),
-        ]
-    return cases
+    return cases + [
+        ("stop string", {"max_tokens": 200, "stop": [tokens[at]]}, "stop", token_groups(tokens[:at + 1], tokens[at])),
+        ("eos", {"max_tokens": 200}, "stop", token_groups(tokens)),
+        # The end of the sequence decides about the held last token: it goes out with the end.
+        ("held at eos", {"max_tokens": 200, "stop": [tokens[-1] + NEVER]}, "stop",
+         token_groups(tokens, tokens[-1] + NEVER)),
+    ]
 
 
 def check_groups(groups: list[tuple[str, list[str]]], expected: list[list[str]], whole_text: str, stop: str):
@@ -95,7 +99,7 @@ def check_groups(groups: list[tuple[str, list[str]]], expected: list[list[str]],
 
 def test_openai_chat_chunks_carry_their_tokens_text_and_logprobs(server: ServerProcess):
     tokens = chat_tokens(server)
-    for name, fields, finish, expected in ending_cases(tokens, eos=True):
+    for name, fields, finish, expected in ending_cases(tokens):
         body = {"messages": MESSAGES, "temperature": 0, "logprobs": True, "top_logprobs": 2, **fields}
         whole = answer(post(server.url, "/v1/chat/completions", body))["choices"][0]
         assert whole["finish_reason"] == finish, name
@@ -110,14 +114,14 @@ def test_openai_chat_chunks_carry_their_tokens_text_and_logprobs(server: ServerP
             assert chunk["finish_reason"] is None and set(chunk["delta"]) <= {"content"}, name
             assert all(len(entry["top_logprobs"]) == 2 for entry in chunk["logprobs"]["content"])
             groups.append((chunk["delta"].get("content", ""), [e["token"] for e in chunk["logprobs"]["content"]]))
-        stop = fields["stop"][0] if finish == "stop" and "stop" in fields and NEVER not in fields["stop"][0] else ""
+        stop = fields["stop"][0] if name == "stop string" else ""
         check_groups(groups, expected, whole["message"]["content"], stop)
 
 
 def test_completions_chunks_carry_their_tokens_text_and_logprobs(server: ServerProcess):
-    tokens = completion_tokens(server)
-    for name, fields, finish, expected in ending_cases(tokens, eos=False):
-        body = {"prompt": PROMPT, "temperature": 0, "logprobs": 1, **fields}
+    prompt = rendered_chat(server)
+    for name, fields, finish, expected in ending_cases(completion_tokens(server, prompt)):
+        body = {"prompt": prompt, "temperature": 0, "logprobs": 1, **fields}
         whole = answer(post(server.url, "/v1/completions", body))["choices"][0]
         assert whole["finish_reason"] == finish, name
         with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
@@ -129,17 +133,18 @@ def test_completions_chunks_carry_their_tokens_text_and_logprobs(server: ServerP
         # The finish chunk carries the tokens no earlier chunk did (the stop string's, whose text is cut).
         groups = [(chunk["text"], chunk["logprobs"]["tokens"]) for chunk in chunks
                   if chunk["text"] or chunk["logprobs"]["tokens"]]
-        stop = fields["stop"][0] if finish == "stop" else ""
+        stop = fields["stop"][0] if name == "stop string" else ""
         check_groups(groups, expected, whole["text"], stop)
 
 
 def test_llama_completion_chunks_carry_their_tokens_text_and_probabilities(server: ServerProcess):
-    tokens = completion_tokens(server)
-    for name, fields, finish, expected in ending_cases(tokens, eos=False):
-        body = {"prompt": PROMPT, "temperature": 0, "n_probs": 2, "n_predict": fields["max_tokens"],
+    prompt = rendered_chat(server)
+    for name, fields, finish, expected in ending_cases(completion_tokens(server, prompt)):
+        body = {"prompt": prompt, "temperature": 0, "n_probs": 2, "n_predict": fields["max_tokens"],
                 "stop": fields.get("stop", [])}
         whole = answer(post(server.url, "/completion", body))
-        assert whole["stop_type"] == ("limit" if finish == "length" else "word"), name
+        stop_type = "limit" if finish == "length" else "word" if name == "stop string" else "eos"
+        assert whole["stop_type"] == stop_type, name
         with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True}, timeout=120) as response:
             events = sse_events(response)
         assert [event["stop"] for event in events] == [False] * (len(events) - 1) + [True], name
@@ -148,14 +153,14 @@ def test_llama_completion_chunks_carry_their_tokens_text_and_probabilities(serve
         for chunk in events[:-1]:
             assert chunk["tokens"] == [entry["id"] for entry in chunk["completion_probabilities"]], name
             groups.append((chunk["content"], [entry["token"] for entry in chunk["completion_probabilities"]]))
-        stop = fields["stop"][0] if finish == "stop" else ""
+        stop = fields["stop"][0] if name == "stop string" else ""
         check_groups(groups, expected, whole["content"], stop)
 
 
 def test_anthropic_and_responses_streams_carry_the_whole_text(server: ServerProcess):
     tokens = chat_tokens(server)
     headers = {"x-api-key": "unused", "anthropic-version": "2023-06-01"}
-    for name, fields, finish, _ in ending_cases(tokens, eos=True):
+    for name, fields, finish, _ in ending_cases(tokens):
         anthropic_body = {"model": "smollm2", "messages": MESSAGES, "temperature": 0,
                           "max_tokens": fields["max_tokens"], "stop_sequences": fields.get("stop", [])}
         whole = answer(post(server.url, "/v1/messages", anthropic_body, headers=headers))
