@@ -326,8 +326,9 @@ def test_request_timeout_stops_a_long_prompt_between_prefill_chunks(timeout_serv
     assert (result["choices"][0]["text"], result["choices"][0]["finish_reason"]) == ("", "length")
     assert (result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]) == (len(prompt), 0)
     assert last_access_line(timeout_server, "/v1/completions").endswith(" finish=length timed_out")
-    # Only the first chunk was computed: that is what the slot holds.
+    # Only the first chunk was computed: that is what the slot holds, and what the timings count.
     assert httpx.get(timeout_server.url + "/slots").json()[0]["cache_tokens"] == DEFAULT_TOKEN_BUDGET
+    assert result["timings"]["prompt_n"] == DEFAULT_TOKEN_BUDGET
 
 
 def test_a_request_that_waited_for_a_slot_past_its_deadline_is_told_its_real_wait(smollm2_base: Path):

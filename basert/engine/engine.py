@@ -208,6 +208,7 @@ class Engine:
                 self.slots.capture(slot)
                 if running.pending and running.output.out_of_time(now):
                     # A long prompt must not outlast its request's time: the deadline is checked between chunks.
+                    running.output.prompt_not_computed = len(running.pending)
                     events.append(self._finish(slot, "length", now))
                     continue
                 if running.pending or not wants:

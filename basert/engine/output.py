@@ -19,7 +19,8 @@ class RequestOutput:
     """The output side of one running request."""
 
     __slots__ = ("request", "detokenizer", "generated", "text", "released", "cached_tokens", "started",
-                 "prefill_started", "prefill_done", "first_token_at", "last_token_at", "timed_out", "stop_word")
+                 "prefill_started", "prefill_done", "first_token_at", "last_token_at", "timed_out", "stop_word",
+                 "prompt_not_computed")
 
     def __init__(self, request: GenerationRequest, tokenizer: Tokenizer | None, cached_tokens: int):
         self.request = request
@@ -35,6 +36,7 @@ class RequestOutput:
         self.last_token_at = 0.0         # the last generated token (not an end-of-sequence) was sampled
         self.timed_out = False
         self.stop_word = ""              # the stop string that ended the generation
+        self.prompt_not_computed = 0     # prompt tokens left unfed when the deadline stopped the prefill
 
     def add(self, token: int, context_full: bool, now: float) -> str | None:
         """Append a generated token (not an end-of-sequence); the finish reason it causes, or None."""
@@ -81,7 +83,7 @@ class RequestOutput:
         prompt = self.request.prompt
         prefill_end = self.prefill_done or now
         timings = Timings(
-            prompt_n=len(prompt) - self.cached_tokens,
+            prompt_n=len(prompt) - self.cached_tokens - self.prompt_not_computed,
             prompt_ms=1000 * (prefill_end - (self.prefill_started or self.started)),
             predicted_n=len(self.generated),
             predicted_ms=1000 * ((self.last_token_at or prefill_end) - prefill_end),
