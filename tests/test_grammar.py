@@ -9,7 +9,7 @@ import pytest
 
 from basert.chat.grammar import Grammar, GrammarError, GrammarFactory, GrammarMatcher
 from basert.chat.tool_calls import QWEN_JSON, QWEN_XML, make_tool_parser
-from basert.tokenizer import TOKEN_TYPE_USER_DEFINED, Tokenizer
+from basert.tokenizer import TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, Tokenizer
 
 # Where Qwen2.5 / Qwen3 vocabularies (the fixture's 151,936-id layout) keep `<tool_call>` and `<think>` as added
 # tokens; the vocab-only fixture has padding there, so `qwen35_tagged` puts the four tags back, as Qwen3.5 has them.
@@ -340,6 +340,23 @@ def test_no_tool_call_allows_any_text_but_a_call_opening(factories, tokenizers, 
         assert tokenizer.encode(thinking).count(THINK_END_ID) == 2
         assert run_text(factory.matcher(grammar), tokenizer, thinking) is None
         assert_refused_at_mark(factory, grammar, tokenizer, "<think>\nNo.\n</think>\n\n<tool_call|>")
+
+
+def test_no_tool_call_takes_thousands_of_added_tokens(smollm2_tokenizer_object: dict) -> None:
+    """Gemma 3 has 6,319 special added tokens: all may come between texts, and the grammar still parses (as
+    alternatives they overflowed llguidance's items per parser row)."""
+    pieces = smollm2_tokenizer_object["tokenizer.ggml.tokens"]
+    added = [token_id for token_id in range(30_000, len(pieces)) if pieces[token_id].isascii()][-3000:]
+    types = list(smollm2_tokenizer_object["tokenizer.ggml.token_type"])
+    for token_id in added:
+        types[token_id] = TOKEN_TYPE_CONTROL
+    tokenizer = Tokenizer.from_object({**smollm2_tokenizer_object, "tokenizer.ggml.token_type": types})
+    factory = GrammarFactory(tokenizer)
+    matcher = factory.matcher(factory.no_tool_call())
+    assert run_text(matcher, tokenizer, "Some text, then ") is None
+    assert set(added) <= allowed_ids(matcher)
+    matcher.consume(added[-1])
+    assert run_text(matcher, tokenizer, " and more text.") is None
 
 
 # --- random models terminate with valid output ---------------------------------------------------

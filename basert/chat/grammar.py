@@ -126,8 +126,8 @@ class GrammarFactory:
             # The text may not hold the open tag; added tokens (a template's `<think>`, say) may come between
             # texts, except those the tag is made of. TEXTs never meet, so the tag cannot span two of them.
             opening = set(self._tokenizer.encode(OPEN_TAG))
-            specials = " | ".join(f"<[{token_id}]>" for token_id in self._specials if token_id not in opening)
-            rules = ["start: TEXT? (special TEXT?)*", f"special: {specials}"] if specials else ["start: TEXT?"]
+            specials = _id_ranges([token_id for token_id in self._specials if token_id not in opening])
+            rules = ["start: TEXT? (special TEXT?)*", f"special: <[{specials}]>"] if specials else ["start: TEXT?"]
             rules.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(OPEN_TAG)}(?s:.*)/")
             self._no_call = self._compile(LLMatcher.grammar_from_lark("\n".join(rules)))
         return self._no_call
@@ -335,6 +335,18 @@ def _padding_ids(hf: dict) -> list[int]:
     pieces = list(vocab.items()) if isinstance(vocab, dict) else [(entry[0], i) for i, entry in enumerate(vocab)]
     pieces += [(token["content"], token["id"]) for token in hf.get("added_tokens", [])]
     return sorted({token_id for piece, token_id in pieces if PAD_PIECE.fullmatch(piece)})
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """Sorted token ids as llguidance's id set `1,3,7-9`: one terminal however many ids (Gemma 3 has 6,319 added
+    tokens; as alternatives they would exceed the parser's items per row)."""
+    runs: list[list[int]] = []
+    for token_id in ids:
+        if runs and token_id == runs[-1][1] + 1:
+            runs[-1][1] = token_id
+        else:
+            runs.append([token_id, token_id])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
 
 
 def _first_line(message: str) -> str:
