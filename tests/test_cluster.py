@@ -187,6 +187,15 @@ def test_slots_and_files_stay_loopback_only_without_api_keys(cluster):
     assert httpx.get(f"{cluster.url}/slots", timeout=60).status_code == 200
 
 
+def test_a_page_rebound_to_the_cluster_by_dns_reads_nothing_without_api_keys(cluster):
+    """The replicas see their own address as every request's Host; the ingress checks the client's for them."""
+    rebound = {"Host": f"rebound.example:{cluster.port}"}
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        for path in ("/slots", "/v1/files", "/v1/models"):
+            assert error_envelope(http.get(path, headers=rebound), 403, "host_not_allowed"), path
+        assert http.get("/v1/models", headers={"Host": f"localhost:{cluster.port}"}).status_code == 200
+
+
 def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(cluster):
     victim = {r["replica"]: r["pid"] for r in cluster.replicas()}[0]
     long_chat = {"model": "smollm2", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,

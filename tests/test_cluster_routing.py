@@ -118,6 +118,10 @@ def test_the_cluster_config_reads_the_replicas_limits_and_template_from_the_serv
                                                "/tmp/t.jinja"]), replicas=2, threads_per_replica=1, routing="prefix")
     assert (config.max_ongoing_requests, config.overload) == (13, 6)
     assert (config.alias, config.chat_template) == ("a", "/tmp/t.jinja")
+    assert config.allowed_hosts == ("127.0.0.1",)     # the ingress's --host, and --allowed-host names
+    named = cluster_config(parser.parse_args(["--host", "0.0.0.0", "--allowed-host", "box.lan"]), replicas=2,
+                           threads_per_replica=1, routing="prefix")
+    assert named.allowed_hosts == ("0.0.0.0", "box.lan")
     assert "--port" not in config.serve_args and "--threads" not in config.serve_args
     with pytest.raises(ValueError, match="--slots"):
         cluster_config(parser.parse_args(["--slots", "0"]), replicas=2, threads_per_replica=1, routing="prefix")

@@ -36,6 +36,7 @@ class ClusterConfig:
     overload: int = 8                   # requests on a prefix's replica before it goes elsewhere: 2 x slots
     max_body_bytes: int = 32 * 1024 * 1024   # the replicas' limit, which the ingress applies before routing
     api_keys: bool = False              # the replicas check keys; without, the ingress keeps slots and files local
+    allowed_hosts: tuple[str, ...] = ()  # without keys: the Host names answered besides IPs and localhost
     chat_template: str | None = None
     alias: str | None = None
 
@@ -117,6 +118,7 @@ def cluster_config(serve_args: argparse.Namespace, *, models: list[str] | tuple[
         threads_per_replica=threads_per_replica, routing=routing, max_ongoing_requests=slots + serve_args.max_queued,
         overload=2 * slots, max_body_bytes=serve_args.max_body_bytes,
         api_keys=bool(serve_args.api_key or serve_args.api_key_file),
+        allowed_hosts=(serve_args.host, *serve_args.allowed_host),
         chat_template=str(serve_args.chat_template) if serve_args.chat_template else None, alias=serve_args.alias)
     config.check()
     return config
@@ -146,7 +148,7 @@ def application(config: ClusterConfig):
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
     replicas = replica.bind(list(config.models), list(config.serve_args), config.threads_per_replica)
     return ingress.bind(replicas, list(config.models), config.replicas, config.chat_template, config.alias,
-                        config.max_body_bytes, config.api_keys)
+                        config.max_body_bytes, config.api_keys, list(config.allowed_hosts))
 
 
 def build(args: dict):

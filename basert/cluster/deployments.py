@@ -33,7 +33,7 @@ from basert.cluster.metrics import merge_replica_metrics
 from basert.cluster.prompts import PromptKeys, PromptModel
 from basert.cluster.routing import Route
 from basert.local_server import free_port, wait_healthy
-from basert.server.app import PROTECTED_PREFIXES, is_loopback
+from basert.server.app import PROTECTED_PREFIXES, host_not_allowed, is_loopback, names_this_server
 from basert.server.errors import ApiError, invalid, unavailable
 
 REPLICA_HEADER = "x-basert-replica"
@@ -142,9 +142,11 @@ class BaseRTIngress:
     """The cluster's HTTP entry: routes each request to a replica and streams its answer back."""
 
     def __init__(self, replicas, models: list[str], n_replicas: int, template_file: str | None = None,
-                 alias: str | None = None, max_body_bytes: int = 32 * 1024 * 1024, api_keys: bool = False):
+                 alias: str | None = None, max_body_bytes: int = 32 * 1024 * 1024, api_keys: bool = False,
+                 allowed_hosts: list[str] | None = None):
         self.replicas = replicas
         self.api_keys = api_keys
+        self.allowed_hosts = allowed_hosts or []
         self.n_replicas = n_replicas
         self.max_body_bytes = max_body_bytes
         template = Path(template_file) if template_file else None
@@ -160,8 +162,11 @@ class BaseRTIngress:
                                         self.n_replicas)
             path = request.url.path
             client = request.client.host if request.client else None
+            # The replicas see every request come from loopback, with their own address as its Host: without keys,
+            # the ingress applies their rules on the client and on the Host header (DNS rebinding) for them.
+            if not self.api_keys and not names_this_server(request.headers.get("host"), self.allowed_hosts):
+                raise host_not_allowed(request.headers.get("host", ""))
             if not self.api_keys and path.startswith(PROTECTED_PREFIXES) and not is_loopback(client):
-                # The replicas see every request come from loopback: the ingress applies their rule for them.
                 raise ApiError(401, "slot and file endpoints need --api-key when served beyond loopback",
                                type="authentication_error", code="invalid_api_key")
             if request.method == "GET" and replica is None:

@@ -8,6 +8,7 @@ import ipaddress
 import json
 import re
 import time
+from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from quart import Response, request
@@ -124,10 +125,8 @@ def browser_refusal(settings: ServerSettings, keyed: bool) -> ApiError | None:
     Origin, and by its body type for browsers that send no Origin), or by DNS rebinding, which makes the page's
     own name reach this server (refused by the Host header). Clients outside browsers send neither header.
     """
-    if not keyed and not host_allowed(settings):
-        return ApiError(403, f"Host {printable(request.headers.get('Host', ''), 64)!r} is not a name of this "
-                        "server: start it with --allowed-host NAME (or --api-key)", type="permission_error",
-                        code="host_not_allowed")
+    if not keyed and not names_this_server(request.headers.get("Host"), settings.allowed_hosts):
+        return host_not_allowed(request.headers.get("Host", ""))
     origin = request.headers.get("Origin")
     if origin is not None and request.method != "OPTIONS" and not listed_origin(origin, settings) \
             and not same_origin(origin):
@@ -148,20 +147,20 @@ def is_json_type(mimetype: str) -> bool:
     return mimetype == "application/json" or (mimetype.startswith("application/") and mimetype.endswith("+json"))
 
 
-def host_allowed(settings: ServerSettings) -> bool:
-    """Whether the Host header names this server: an IP address, localhost, --host or an --allowed-host name.
+def names_this_server(host: str | None, allowed_hosts: Iterable[str]) -> bool:
+    """Whether a Host header names this server: an IP address, localhost, or one of `allowed_hosts` (--host and
+    the --allowed-host names; '*' any).
 
     Any other name may be an attacker's, rebound in DNS to this machine's address. No Host at all is allowed:
     browsers always send one.
     """
-    host = request.headers.get("Host")
     if not host:
         return True
     try:
         name = (urlsplit("//" + host).hostname or "").rstrip(".")
     except ValueError:
         return False
-    allowed = {h.lower().rstrip(".") for h in settings.allowed_hosts}
+    allowed = {h.lower().rstrip(".") for h in allowed_hosts}
     if "*" in allowed or name in allowed or name == "localhost" or name.endswith(".localhost"):
         return True
     try:
@@ -169,6 +168,12 @@ def host_allowed(settings: ServerSettings) -> bool:
     except ValueError:
         return False
     return True
+
+
+def host_not_allowed(host: str) -> ApiError:
+    """The 403 for a Host header that does not name this server (a key-less server, or a cluster's ingress)."""
+    return ApiError(403, f"Host {printable(host, 64)!r} is not a name of this server: start it with --allowed-host "
+                    "NAME (or --api-key)", type="permission_error", code="host_not_allowed")
 
 
 def listed_origin(origin: str, settings: ServerSettings) -> bool:
