@@ -250,7 +250,7 @@ def test_the_serve_run_entry_point_builds_the_same_application(smollm2_base: Pat
                  "serve_args": "--max-context 2048 --slots 2 --prefix-cache-file /var/cache/pc --alias agent"})
     ingress = app._bound_deployment
     replica = ingress.init_args[0]._bound_deployment
-    assert ingress.init_args[1:] == ([str(smollm2_base)], 3, None, "agent", 32 * 1024 * 1024, False)
+    assert ingress.init_args[1:] == ([str(smollm2_base)], 3, None, "agent", 32 * 1024 * 1024, False, ["127.0.0.1"])
     assert (replica.num_replicas, replica.max_ongoing_requests) == (3, 2 + 64)
     models, flags, threads = replica.init_args
     assert (models, threads) == ([str(smollm2_base)], 2)
