@@ -1,19 +1,20 @@
-"""Builds the Cython kernels in basert/_ext three times, with -O3 and OpenMP: one package per CPU variant.
+"""Builds the Cython kernels in basert/_ext with -O3 and OpenMP: one package per CPU variant.
 
 basert/_ext/<variant>/<module>.so for every basert/_ext/<module>.pyx, where <variant> is
   portable  no x86 SIMD flags (plain C, fmaf),
   avx2      -mavx2 -mfma -mf16c,
   avx512    the avx2 flags and -mavx512f -mavx512bw -mavx512vl.
-avx2 and avx512 are built whenever the compiler accepts their flags, whatever CPU builds them;
-basert/_ext/__init__.py picks the best one this CPU runs at import (BASERT_CPU overrides it).
-BASERT_BUILD_VARIANTS=portable,avx2 (a comma-separated list) builds only those, for a quicker build on a
-machine that will not run the others; portable is always built.
+By default a build compiles portable and the best variant the building CPU runs (an install is for the machine
+that builds it); BASERT_BUILD_VARIANTS=all compiles every variant the compiler accepts (a wheel for other
+machines, CI), and BASERT_BUILD_VARIANTS=portable,avx2 (a comma-separated list) just those, portable always.
+basert/_ext/__init__.py picks the best built variant this CPU runs at import (BASERT_CPU overrides it).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 EXT_DIR = Path("basert") / "_ext"
+# The package's own CPU detection, read without importing the package (its kernels are what is being built).
+CPU = runpy.run_path(str(EXT_DIR / "cpu.py"))
 # Each variant compiles its own copy of a generated .c (a wrapper that #includes it): setuptools puts an
 # object file at a path derived from its source path, so variants sharing one source would collide.
 WRAPPER_DIR = Path("build") / "variants"
@@ -105,10 +108,15 @@ def extensions() -> list[Extension]:
     # setuptools rebuilds an extension when one of its depends is newer than it: the .pyx's headers count.
     depends = {str(ext.sources[0]): sorted(str(h) for h in headers(Path(ext.sources[0]).with_suffix(".pyx")))
                for ext in generated}
-    wanted = os.environ.get("BASERT_BUILD_VARIANTS")
+    try:
+        wanted = CPU["variants_to_build"](os.environ.get("BASERT_BUILD_VARIANTS"))
+    except ValueError as exc:
+        sys.exit(f"basert build: {exc}")
     for variant, (flags, macros) in VARIANTS.items():
-        if wanted and variant != "portable" and variant not in wanted.split(","):
-            print(f"basert build: {variant}: not in BASERT_BUILD_VARIANTS, not built", file=sys.stderr)
+        if variant not in wanted:
+            why = ("not in BASERT_BUILD_VARIANTS" if os.environ.get("BASERT_BUILD_VARIANTS")
+                   else "this CPU does not run it; BASERT_BUILD_VARIANTS=all builds every variant")
+            print(f"basert build: {variant}: not built ({why})", file=sys.stderr)
             continue
         if flags and not compiler_accepts(flags):
             print(f"basert build: {variant}: the compiler rejects {' '.join(flags)}, not built", file=sys.stderr)

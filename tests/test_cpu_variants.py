@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,39 @@ def test_unknown_or_unsupported_variant_is_a_clear_error() -> None:
         env["BASERT_CPU"] = lacking[0]
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
         assert result.returncode != 0 and "this CPU lacks" in result.stderr
+
+
+def test_a_build_compiles_portable_and_this_cpus_best_variant_unless_told_otherwise() -> None:
+    from basert._ext.cpu import VARIANTS, best_variant, variants_to_build
+
+    assert variants_to_build(None) == variants_to_build("") == sorted({"portable", best_variant()}, key=VARIANTS.index)
+    assert variants_to_build("all") == list(VARIANTS)
+    assert variants_to_build("avx512") == ["portable", "avx512"]
+    assert variants_to_build(" avx2 , portable ") == ["portable", "avx2"]
+    with pytest.raises(ValueError, match="unknown variant avx3"):
+        variants_to_build("avx2,avx3")
+
+
+@pytest.mark.skipif(ext.cpu_supports("avx2") is False, reason="this CPU runs only the portable kernels")
+def test_an_install_without_this_cpus_variant_runs_portable_and_says_so_once(tmp_path: Path) -> None:
+    # An install built with BASERT_BUILD_VARIANTS=portable: the same package with only the portable kernels.
+    def leave_out(folder: str, names: list[str]) -> list[str]:
+        other_variant = Path(folder).name in ("avx2", "avx512")
+        return [n for n in names if n == "__pycache__" or (other_variant and n.endswith(".so"))]
+
+    shutil.copytree(ROOT / "basert", tmp_path / "basert", ignore=leave_out)
+    env = {k: v for k, v in os.environ.items() if k != "BASERT_CPU"}
+    env["PYTHONPATH"] = str(tmp_path)
+    code = ("import basert._ext as e; from basert._ext import matmul; "
+            "print(e.VARIANT, e.built_variants(), matmul.__file__)")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    variant, built, path = result.stdout.split(" ", 2)
+    assert (variant, built) == ("portable", "['portable']")
+    assert path.startswith(str(tmp_path / "basert" / "_ext" / "portable"))
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"basert: this CPU runs the {ext.best_variant()} kernels, but this install has only "
+                           "portable: using portable")
 
 
 # ---- matmul ----

@@ -10,34 +10,16 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import os
-import platform
 import sys
 from pathlib import Path
 
-VARIANTS = ("portable", "avx2", "avx512")
-# The CPU flags (as /proc/cpuinfo names them) each variant's instructions need.
-_NEEDS = {
-    "portable": frozenset(),
-    "avx2": frozenset({"avx2", "fma", "f16c"}),
-    "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}),
-}
+from basert._ext.cpu import NEEDS, VARIANTS, best_variant, cpu_flags, cpu_supports
+
 _HERE = Path(__file__).parent
 
 
 class CPUVariantError(ImportError):
     """BASERT_CPU names a variant that does not exist, was not built, or this CPU cannot run."""
-
-
-def _cpu_flags() -> frozenset[str]:
-    if platform.machine().lower() not in {"x86_64", "amd64"}:
-        return frozenset()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def module_names(variant: str = "portable") -> list[str]:
@@ -51,11 +33,6 @@ def built_variants() -> list[str]:
     return [v for v in VARIANTS if module_names(v)]
 
 
-def cpu_supports(variant: str) -> bool:
-    """Whether this CPU has the instructions the variant's kernels use."""
-    return _NEEDS[variant] <= _cpu_flags()
-
-
 def supported_variants() -> list[str]:
     """The variants that are built and that this CPU runs, slowest first."""
     return [v for v in built_variants() if cpu_supports(v)]
@@ -67,11 +44,16 @@ def _choose() -> str:
         usable = supported_variants()
         if not usable:
             raise CPUVariantError(f"no kernels are built in {_HERE}: run `python setup.py build_ext --inplace`")
+        if usable[-1] != best_variant():
+            # An install built elsewhere, or with BASERT_BUILD_VARIANTS: it runs, only slower than it could.
+            print(f"basert: this CPU runs the {best_variant()} kernels, but this install has only "
+                  f"{', '.join(built_variants())}: using {usable[-1]} (reinstall here, or build with "
+                  "BASERT_BUILD_VARIANTS=all)", file=sys.stderr)
         return usable[-1]
     if wanted not in VARIANTS:
         raise CPUVariantError(f"BASERT_CPU={wanted!r}: the variants are {', '.join(VARIANTS)}")
     if not cpu_supports(wanted):
-        missing = " ".join(sorted(_NEEDS[wanted] - _cpu_flags()))
+        missing = " ".join(sorted(NEEDS[wanted] - cpu_flags()))
         raise CPUVariantError(f"BASERT_CPU={wanted}: this CPU lacks {missing}")
     if not module_names(wanted):
         raise CPUVariantError(f"BASERT_CPU={wanted}: that variant was not built (built: {', '.join(built_variants())})")
