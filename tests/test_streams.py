@@ -97,16 +97,21 @@ def check_groups(groups: list[tuple[str, list[str]]], expected: list[list[str]],
     assert "".join(text for text, _ in groups) == whole_text
 
 
+def whole_and_streamed(server: ServerProcess, path: str, body: dict, finish: str, name: str) -> tuple[dict, list]:
+    """The non-streamed answer's first choice (checked to end with `finish`) and the streamed answer's events."""
+    whole = answer(post(server.url, path, body))["choices"][0]
+    assert whole["finish_reason"] == finish, name
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120) as response:
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    return whole, events
+
+
 def test_openai_chat_chunks_carry_their_tokens_text_and_logprobs(server: ServerProcess):
     tokens = chat_tokens(server)
     for name, fields, finish, expected in ending_cases(tokens):
         body = {"messages": MESSAGES, "temperature": 0, "logprobs": True, "top_logprobs": 2, **fields}
-        whole = answer(post(server.url, "/v1/chat/completions", body))["choices"][0]
-        assert whole["finish_reason"] == finish, name
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True},
-                          timeout=120) as response:
-            events = sse_events(response)
-        assert events[-1] == "[DONE]"
+        whole, events = whole_and_streamed(server, "/v1/chat/completions", body, finish, name)
         chunks = [event["choices"][0] for event in events[1:-1]]
         assert chunks[-1]["finish_reason"] == finish and chunks[-1]["delta"] == {}, name
         groups = []
@@ -122,12 +127,7 @@ def test_completions_chunks_carry_their_tokens_text_and_logprobs(server: ServerP
     prompt = rendered_chat(server)
     for name, fields, finish, expected in ending_cases(completion_tokens(server, prompt)):
         body = {"prompt": prompt, "temperature": 0, "logprobs": 1, **fields}
-        whole = answer(post(server.url, "/v1/completions", body))["choices"][0]
-        assert whole["finish_reason"] == finish, name
-        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
-                          timeout=120) as response:
-            events = sse_events(response)
-        assert events[-1] == "[DONE]"
+        whole, events = whole_and_streamed(server, "/v1/completions", body, finish, name)
         chunks = [event["choices"][0] for event in events[:-1]]
         assert [chunk["finish_reason"] for chunk in chunks] == [None] * (len(chunks) - 1) + [finish], name
         # The finish chunk carries the tokens no earlier chunk did (the stop string's, whose text is cut).
