@@ -16,6 +16,9 @@ cdef enum:
     # Channels per parallel work item of the conv: long rows for SIMD, still enough items for the cores.
     CONV_CHUNK = 256
 
+cdef extern from "simd.h" nogil:
+    int basert_threads_for(Py_ssize_t elements)
+
 cdef extern from "deltanet.h" nogil:
     void basert_gdn_conv_chunk(const float *x, float *out, Py_ssize_t C, Py_ssize_t T, float *state, const float *w,
                                Py_ssize_t K, Py_ssize_t c0, Py_ssize_t n, float *scratch)
@@ -41,7 +44,7 @@ def gdn_conv(const float[:, ::1] x, float[:, ::1] conv_state, const float[:, ::1
     # With K == 1 the state has no columns and is never touched; any valid address will do.
     cdef float *state = &conv_state[0, 0] if K > 1 else &out[0, 0]
     with nogil:
-        for chunk in prange(n_chunks, schedule="static"):
+        for chunk in prange(n_chunks, schedule="static", num_threads=basert_threads_for(T * C * K)):
             c0 = chunk * CONV_CHUNK
             basert_gdn_conv_chunk(&x[0, 0], &out[0, 0], C, T, state, &weight[0, 0], K, c0, min(CONV_CHUNK, C - c0),
                                   &scratch[chunk, 0])
@@ -82,7 +85,7 @@ def gdn_recurrent(const float[:, :, ::1] q, const float[:, :, ::1] k, const floa
     cdef float[:, ::1] scratch = np.empty((n_v, 2 * dk + dv), dtype=np.float32)
     cdef Py_ssize_t group = n_v // n_k
     with nogil:
-        for h in prange(n_v, schedule="static"):
+        for h in prange(n_v, schedule="static", num_threads=basert_threads_for(T * n_v * dk * dv)):
             kh = h // group
             basert_gdn_head(&q[0, kh, 0], &k[0, kh, 0], n_k * dk, &v[0, h, 0], n_v * dv, &g[0, h], &beta[0, h], n_v,
                             T, dk, dv, &state[h, 0, 0], &out[0, h, 0], n_v * dv, &scratch[h, 0])

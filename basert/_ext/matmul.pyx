@@ -53,6 +53,16 @@ BLOCK_KINDS = {"Q5_0": 6, "Q5_1": 7, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K":
 
 cdef int _num_threads = max(1, basert_omp_max_threads())
 
+cdef enum:
+    # Below this many multiply-adds a matmul runs on the calling thread. A parallel region's start and end
+    # cost microseconds on idle cores, but a whole scheduler time slice (milliseconds) when another process
+    # holds the core its worker needs: a small model's matmuls are cheaper done alone.
+    SERIAL_MACS_BELOW = 1 << 20
+
+
+cdef inline int _threads_for_macs(Py_ssize_t macs) noexcept nogil:
+    return 1 if macs < SERIAL_MACS_BELOW else _num_threads
+
 
 def set_num_threads(int n):
     """Set the OpenMP threads used by the kernels (all of this module's, and prange defaults in this thread)."""
@@ -168,7 +178,7 @@ def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
     """out[M, N] = x[M, K] @ W^T in float32; out[m, n] does not depend on M, m or the thread count."""
     cdef Py_ssize_t m = x.shape[0], n = w.c.n, k = w.c.k
     cdef Py_ssize_t per, chunks, tiles, stride, ldx, copied, i, t
-    cdef int nt = _num_threads
+    cdef int nt = _threads_for_macs(m * n * k)
     cdef float *buf = NULL
     cdef float *xs
     if x.shape[1] != k:
@@ -218,7 +228,7 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
     larger batches run `matmul` per weight. Each output row is the same as `matmul`'s (bit for bit)."""
     cdef Py_ssize_t m = x.shape[0], k = x.shape[1], count = len(weights), total = 0, per, chunks, t, i
     cdef Py_ssize_t r0, r1, lo, hi
-    cdef int nt = _num_threads
+    cdef int nt
     cdef Weight w
     cdef float[:, ::1] o
     if len(outs) != count:
@@ -250,6 +260,7 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
         co[i] = &o[0, 0] if w.c.n else NULL
         first[i + 1] = first[i] + w.c.n
     # One contiguous run of the concatenated rows per thread, cut at the weights' boundaries.
+    nt = _threads_for_macs(m * total * k)
     per = ((total + nt - 1) // nt + 3) // 4 * 4
     chunks = (total + per - 1) // per
     with nogil:
