@@ -351,7 +351,8 @@ def forward_logits(path: Path, variant: str, tmp_path: Path, prompt: list[int]) 
 
 
 @pytest.mark.parametrize("variant", OTHERS)
-@pytest.mark.parametrize("model", ["smollm2_base", "qwen35_chat_base", "gemma3_base"])
+@pytest.mark.parametrize("model", ["smollm2_base", "qwen35_chat_base",
+                                   pytest.param("gemma3_base", marks=pytest.mark.slow)])
 def test_model_forward_bits(variant: str, model: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     path = request.getfixturevalue(model)
     prompt = [1, 504, 3303, 282, 4649, 314, 2670, 30]  # 8 tokens; every id is in both vocabularies

@@ -46,7 +46,8 @@ def same_bits(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("kv_dtype", [np.float16, np.float32], ids=["kv-f16", "kv-f32"])
+@pytest.mark.parametrize("kv_dtype", [np.float16, pytest.param(np.float32, marks=pytest.mark.slow)],
+                         ids=["kv-f16", "kv-f32"])
 @pytest.mark.parametrize("name", ["smollm2", "qwen3-tiny"])
 def test_graph_steps_equal_the_per_kernel_path(name: str, kv_dtype: type, smollm2_base: Path,
                                                tiny_f32_bases: dict[str, Path]):
@@ -62,6 +63,7 @@ def test_graph_steps_equal_the_per_kernel_path(name: str, kv_dtype: type, smollm
         assert same_bits(got, reference), f"{threads} threads"
 
 
+@pytest.mark.slow
 def test_gemma3_graph_steps_beyond_the_sliding_window_equal_the_per_kernel_path(gemma3_base: Path):
     """Gemma 3 in the graph: block outputs normed before the residual add, GeGLU, per-layer RoPE bases, and
     sliding-window layers at 770+ positions, where the window (512) no longer reaches the first segment."""

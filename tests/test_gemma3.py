@@ -7,7 +7,9 @@ prompts shorter and longer than the 512-position sliding window; a sequence's lo
 alone, batched, split into chunks or resumed from the prefix cache, beyond the window too.
 
 Marked slow (run them with `pytest -m slow tests/test_gemma3.py`): every tensor's de-quantization (the fast
-run checks one tensor of each type and a whole layer) and three long sequences batched beyond the window.
+run checks one tensor of each type and a whole layer), the longest reference prompt, and the checks beyond the
+window (split prompts, batching, the prefix cache, a restored slot): each prefills hundreds of tokens of a 270M
+model several times.
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ def assert_top_logits_agree(logits: np.ndarray, ids: list[int], values: list[flo
     assert set(np.argsort(-logits)[:10].tolist()) <= set(ids), f"{where}: another token entered the top 10"
 
 
-@pytest.mark.parametrize("name", sorted(PROMPTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "long" else n
+                                  for n in sorted(PROMPTS)])
 def test_greedy_tokens_and_top_logits_equal_the_reference(runner: ModelRunner, name: str) -> None:
     prompt = PROMPTS[name]
     tokens, logits = greedy(runner, prompt["prompt_ids"], len(prompt["generated_ids"]))
@@ -144,6 +147,7 @@ def run_all_logits(runner: ModelRunner, pieces: list[list[int]]) -> np.ndarray:
     return out
 
 
+@pytest.mark.slow
 def test_logits_beyond_the_window_are_the_same_bits_however_the_prompt_is_split(runner: ModelRunner) -> None:
     prompt = np.random.default_rng(3).integers(0, runner.vocab_size, WINDOW + 200).tolist()
     whole = run_all_logits(runner, [prompt])
@@ -182,6 +186,7 @@ def generate(engine, prompts: dict[str, list[int]], n: int = 8) -> dict[str, tup
     return out
 
 
+@pytest.mark.slow
 def test_prefix_cache_and_batching_beyond_the_window_equal_a_fresh_engine(gemma3_base: Path) -> None:
     """A 900-token shared prefix: requests that reuse it from the cache, beside each other, answer as a fresh
     engine without the cache answers each alone."""
@@ -205,6 +210,7 @@ def test_prefix_cache_and_batching_beyond_the_window_equal_a_fresh_engine(gemma3
         assert cached >= 896, f"{rid}: {cached} cached tokens"
 
 
+@pytest.mark.slow
 def test_a_restored_slot_beyond_the_window_continues_as_a_fresh_engine(gemma3_base: Path, tmp_path: Path) -> None:
     """A slot holding 700 tokens of history is saved, restored into another engine, and the next turn (the
     history and 6 more tokens) answers as a fresh engine with no history answers it, resuming the restored KV."""

@@ -2,7 +2,8 @@
 
 Runs the isolation harness (sequential requests sharing a long system prompt, then 2 and 4 concurrent
 requests) on SmolLM2 and on a tiny random Qwen3.5-style hybrid with the real Qwen3.5 tokenizer and chat
-template, with forced tool calls and with plain chat.
+template, with forced tool calls and with plain chat. The default run checks plain chat; `-m slow` adds the
+forced tool calls (each answer compared with a server started for it alone) and the other modes' tool calls.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def model_and_flags(name: str, smollm2_base: Path, qwen35_chat_base: Path) -> tu
 
 
 @pytest.mark.parametrize("name", ["smollm2", "qwen35-hybrid"])
-@pytest.mark.parametrize("plain", [False, True], ids=["tool-calls", "plain-chat"])
+@pytest.mark.parametrize("plain", [pytest.param(False, marks=pytest.mark.slow), True], ids=["tool-calls", "plain-chat"])
 async def test_requests_equal_their_fresh_server_answers(name: str, plain: bool, smollm2_base: Path,
                                                          qwen35_chat_base: Path, server_pool: ServerPool,
                                                          fresh_answers: dict, tmp_path: Path):
@@ -63,8 +64,9 @@ OTHER_MODES = {
 
 
 @pytest.mark.parametrize("name", ["smollm2", "qwen35-hybrid"])
-@pytest.mark.parametrize(("mode", "plain"), [("8-batched-slots", False), ("8-batched-slots", True),
-                                             ("single-slot-no-cache", False)])
+@pytest.mark.parametrize(("mode", "plain"), [pytest.param("8-batched-slots", False, marks=pytest.mark.slow),
+                                             ("8-batched-slots", True),
+                                             pytest.param("single-slot-no-cache", False, marks=pytest.mark.slow)])
 async def test_other_modes_equal_the_default_mode(name: str, mode: str, plain: bool, smollm2_base: Path,
                                                   qwen35_chat_base: Path, server_pool: ServerPool,
                                                   fresh_answers: dict):

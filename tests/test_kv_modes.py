@@ -79,6 +79,15 @@ def cached_of(response: dict) -> int:
     return response["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+# The default run serves each check on one model, the hybrid where the check is as strong there; `-m slow` adds
+# the other model (and the remaining KV modes of the save/restore check).
+SLOW = pytest.mark.slow
+DENSE_SLOW = [pytest.param("smollm2", marks=SLOW), "qwen35-hybrid"]
+HYBRID_SLOW = ["smollm2", pytest.param("qwen35-hybrid", marks=SLOW)]
+# (model, KV mode) pairs of the default run: every mode runs on one of the two models at least.
+FAST_MODES = {("smollm2", "paged-batching"), ("smollm2", "cache-file"), ("smollm2", "contiguous"),
+              ("qwen35-hybrid", "default"), ("qwen35-hybrid", "paged"), ("qwen35-hybrid", "prefix-cache")}
+
 SINGLE = ["--no-continuous-batching"]  # one request at a time over two slots
 FLAG_SETS = {
     "default": [],
@@ -90,7 +99,9 @@ FLAG_SETS = {
 }
 
 
-@pytest.mark.parametrize("mode", list(FLAG_SETS))
+@pytest.mark.parametrize(("served", "mode"), [
+    pytest.param(model, mode, marks=() if (model, mode) in FAST_MODES else SLOW, id=f"{model}-{mode}")
+    for model in ("smollm2", "qwen35-hybrid") for mode in FLAG_SETS], indirect=["served"])
 def test_slot_save_and_restore_work_in_every_kv_mode(mode: str, served, tmp_path: Path):
     path, _, flags, env = served
     mode_flags = [flag.replace("{tmp}", str(tmp_path)) for flag in FLAG_SETS[mode]]
@@ -123,6 +134,7 @@ def read_cache_header(path: Path) -> dict:
     return json.loads(data[12: 12 + header_len])
 
 
+@pytest.mark.parametrize("served", HYBRID_SLOW, indirect=True)
 def test_prefix_cache_file_survives_a_restart(served, tmp_path: Path):
     path, model_id, flags, env = served
     cache_dir = tmp_path / "cache-dir" / "nested"          # created by the server
@@ -146,6 +158,7 @@ def test_prefix_cache_file_survives_a_restart(served, tmp_path: Path):
         assert text_of(first) == answers[2]
 
 
+@pytest.mark.parametrize("served", DENSE_SLOW, indirect=True)
 def test_corrupt_or_foreign_cache_files_mean_a_cold_start(served, tmp_path: Path):
     path, model_id, flags, env = served
     contents = (b"BPXC" + b"\x01\x00\x00\x00" + b"\xff" * 40, b"garbage", b"")
@@ -165,6 +178,7 @@ def shared_prefix_tokens(server: ServerProcess, system: str = SHARED_SYSTEM) -> 
     return len(response.json()["tokens"])
 
 
+@pytest.mark.parametrize("served", DENSE_SLOW, indirect=True)
 def test_shared_prefix_is_computed_once(served, tmp_path: Path):
     path, model_id, flags, env = served
     # The tiny hybrid computes a short prefix in a few milliseconds: give it about 4,000 tokens, so the
@@ -188,6 +202,7 @@ def test_shared_prefix_is_computed_once(served, tmp_path: Path):
     print(f"shared prefix {shared} tokens; computed {computed}; cached {[cached_of(r) for r in results]}")
 
 
+@pytest.mark.parametrize("served", DENSE_SLOW, indirect=True)
 def test_slot_admin_runs_between_steps_while_other_slots_generate(served, tmp_path: Path):
     path, _, flags, env = served
     with ServerProcess(path, *flags, "--max-context", "1024", "--continuous-batching", "2", "--prefix-cache",

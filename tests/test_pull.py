@@ -23,6 +23,7 @@ def gemma3_pull(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproc
     return models, basert("pull", "gemma3-270m", models_dir=models)
 
 
+@pytest.mark.slow  # the pull assembles and converts the 270M model
 def test_pull_gemma3_installs_it_once(gemma3_pull: tuple[Path, subprocess.CompletedProcess]) -> None:
     models, result = gemma3_pull
     assert result.returncode == 0, result.stderr
@@ -44,6 +45,7 @@ def test_pull_gemma3_installs_it_once(gemma3_pull: tuple[Path, subprocess.Comple
     assert installed.stat().st_mtime_ns == written
 
 
+@pytest.mark.slow  # reads what the pull above installed
 def test_the_alias_resolves_to_the_pulled_model(gemma3_pull: tuple[Path, subprocess.CompletedProcess],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     models, result = gemma3_pull

@@ -70,6 +70,7 @@ def load_tool():
     return module
 
 
+@pytest.mark.slow  # three kill -9 runs per save target, each a server start and a restart
 def test_kill_9_during_saves_leaves_no_temp_file_and_a_loadable_cache(smollm2_base: Path, tmp_path: Path):
     tool = load_tool()
     results = tool.kill_during_saves(smollm2_base, tmp_path, runs=3, seed=1)
