@@ -20,12 +20,15 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError
 
 EXT_DIR = Path("basert") / "_ext"
 # The package's own CPU detection, read without importing the package (its kernels are what is being built).
@@ -138,13 +141,56 @@ def extensions() -> list[Extension]:
     return modules
 
 
+def run_compiler(command: list[str]) -> float:
+    """Runs one compiler command; returns the CPU seconds (user + system) it took."""
+    process = subprocess.Popen(command)
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise CompileError(f"{' '.join(command)}: exit code {process.returncode}")
+    return usage.ru_utime + usage.ru_stime
+
+
 class ParallelBuildExt(build_ext):
-    """build_ext compiling one extension per core unless -j says otherwise."""
+    """build_ext compiling one extension per core unless -j says otherwise. Each unit's compile prints one line on
+    stderr with its variant, source and seconds (wall, and CPU: user + system), the progress `pip install -v .`
+    shows: `basert build: [3/12] avx2 matmul.c 95.1 s (94.8 s CPU)`."""
 
     def finalize_options(self) -> None:
         super().finalize_options()
         if not self.parallel:
             self.parallel = os.cpu_count() or 1
+
+    def build_extensions(self) -> None:
+        self._lock = threading.Lock()
+        self._compiled = 0
+        super().build_extensions()
+
+    def build_extension(self, ext: Extension) -> None:
+        ext_path = Path(self.get_ext_fullpath(ext.name))
+        if not self.force and ext_path.exists() and all(
+                Path(f).stat().st_mtime <= ext_path.stat().st_mtime for f in ext.sources + ext.depends):
+            return
+        objects = [self.compile_unit(ext, Path(source)) for source in ext.sources]
+        self.compiler.link_shared_object(
+            objects, str(ext_path), libraries=self.get_libraries(ext), extra_postargs=ext.extra_link_args,
+            export_symbols=self.get_export_symbols(ext), build_temp=self.build_temp, target_lang="c")
+
+    def compile_unit(self, ext: Extension, source: Path) -> str:
+        """Compiles one source of an extension (the command distutils would run); returns its object file."""
+        obj = Path(self.build_temp) / source.with_suffix(".o")
+        obj.parent.mkdir(parents=True, exist_ok=True)
+        command = [*self.compiler.compiler_so,
+                   *(f"-D{name}={value}" for name, value in ext.define_macros),
+                   *(f"-I{folder}" for folder in ext.include_dirs + self.compiler.include_dirs),
+                   "-c", str(source), "-o", str(obj), *ext.extra_compile_args]
+        start = time.perf_counter()
+        cpu = run_compiler(command)
+        with self._lock:
+            self._compiled += 1
+            print(f"basert build: [{self._compiled}/{len(self.extensions)}] {ext.name.split('.')[-2]} {source.name} "
+                  f"{time.perf_counter() - start:.1f} s ({cpu:.1f} s CPU)", file=sys.stderr, flush=True)
+        return str(obj)
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": ParallelBuildExt})
