@@ -1,4 +1,4 @@
-"""Builds the Cython kernels in basert/_ext with -O3 and OpenMP: one package per CPU variant.
+"""Builds the Cython kernels in basert/_ext with -O3, OpenMP and no debug information: one package per CPU variant.
 
 basert/_ext/<variant>/<module>.so for every basert/_ext/<module>.pyx, where <variant> is
   portable  no x86 SIMD flags (plain C, fmaf),
@@ -71,7 +71,9 @@ def compiler_accepts(flags: list[str], source: str = "int main(void){return 0;}\
 
 def common_flags() -> tuple[list[str], list[str]]:
     # No FMA contraction: a*b+c stays two roundings in every variant, so scalar code gives the same bits on all.
-    compile_args = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+    # No debug information (-g0 overrides the -g of Python's CFLAGS): for the fully unrolled kernels it costs a third
+    # of the compile time (avx2 matmul.c on a Zen 3: 182 s with it, 120 s without) and changes no instruction.
+    compile_args = ["-O3", "-g0", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
     link_args: list[str] = []
     if compiler_accepts(["-fopenmp"], "#include <omp.h>\nint main(void){return omp_get_max_threads()<0;}\n"):
         compile_args.append("-fopenmp")
