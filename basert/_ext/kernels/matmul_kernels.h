@@ -862,16 +862,22 @@ typedef struct {
 } bm_stream_kernel;
 
 /* Weight rows streamed together for a single activation row: BM_STREAM_ROWS_M1_QUANT for q4/q8, bm_blocks_m1_rows for
- * GGUF blocks, four for dense weights. */
+ * GGUF blocks, four for dense weights; one on the portable variant, where each shape is one more copy of the kernel to
+ * compile for a variant whose speed matters less. */
 BASERT_ALWAYS_INLINE int bm_m1_rows(const int kind, const int type) {
+#if defined(BASERT_SIMD)
     if (kind == BASERT_Q4 || kind == BASERT_Q8) return BM_STREAM_ROWS_M1_QUANT;
     return kind == BASERT_BLOCKS ? bm_blocks_m1_rows(type) : 4;
+#else
+    (void)kind, (void)type;
+    return 1;
+#endif
 }
 
 #define BM_SHAPE(R, C) ((R) << 4 | (C))
 
-/* The shapes basert_stream runs: (M1, 1) for one activation row (M1 = bm_m1_rows); (2, 2), (2, 3), (1, 2), (1, 3)
- * for two or three; (BM_STREAM_ROWS, C) and (1, C) for more, C = 8 (avx512), 4 and the last 1..3. */
+/* The shapes basert_stream runs: (M1, 1) and (1, 1) for one activation row (M1 = bm_m1_rows); for more,
+ * (BM_STREAM_ROWS, C) and (1, C) with C = 8 (avx512), 4 and the last 1..3. */
 BASERT_ALWAYS_INLINE void bm_stream_shape(const int kind, const int sym, const ptrdiff_t GS, const int type, int R, int C,
                                           const basert_weight *w, ptrdiff_t r0, ptrdiff_t r1, const float *x, ptrdiff_t ldx,
                                           float *y, ptrdiff_t ldy) {
@@ -879,7 +885,7 @@ BASERT_ALWAYS_INLINE void bm_stream_shape(const int kind, const int sym, const p
 #define BM_RUN(r, c)                                                                                                     \
     for (ptrdiff_t row = r0; row < r1; row += (r)) bm_stream_block(r, c, kind, sym, GS, type, w, row, x, ldx, y, ldy); \
     return
-    if (R == M1 && C == 1) {
+    if (M1 > 1 && R == M1 && C == 1) {
         BM_RUN(M1, 1);
     }
     switch (BM_SHAPE(R, C)) {
@@ -887,11 +893,11 @@ BASERT_ALWAYS_INLINE void bm_stream_shape(const int kind, const int sym, const p
     case BM_SHAPE(1, 2): BM_RUN(1, 2);
     case BM_SHAPE(1, 3): BM_RUN(1, 3);
     case BM_SHAPE(1, 4): BM_RUN(1, 4);
-    case BM_SHAPE(2, 2): BM_RUN(2, 2);
-    case BM_SHAPE(2, 3): BM_RUN(2, 3);
 #if defined(BASERT_AVX512)
     case BM_SHAPE(1, 8): BM_RUN(1, 8);
     case BM_SHAPE(2, 1): BM_RUN(2, 1);
+    case BM_SHAPE(2, 2): BM_RUN(2, 2);
+    case BM_SHAPE(2, 3): BM_RUN(2, 3);
     case BM_SHAPE(2, 4): BM_RUN(2, 4);
     case BM_SHAPE(2, 8): BM_RUN(2, 8);
 #endif
@@ -907,18 +913,33 @@ BASERT_ALWAYS_INLINE void bm_stream_shape(const int kind, const int sym, const p
         bm_stream_shape(kind, sym, group, type, R, C, w, r0, r1, x, ldx, y, ldy);                                        \
     }
 
-/* A group-quantized weight's kernel among its kind's four: symmetric or not, group 32 (unrolled) or any other. */
-BASERT_ALWAYS_INLINE bm_stream_kernel bm_quant_kernel(const int kind, const basert_weight *w, bm_stream_fn sym_g32,
-                                                      bm_stream_fn sym, bm_stream_fn asym_g32, bm_stream_fn asym) {
-    const int g32 = w->group_size == 32;
-    const bm_stream_fn run = w->biases == NULL ? (g32 ? sym_g32 : sym) : (g32 ? asym_g32 : asym);
-    return (bm_stream_kernel){run, bm_m1_rows(kind, 0)};
-}
-
-BASERT_ALWAYS_INLINE void bm_quant_dequant_row(const int kind, const basert_weight *w, ptrdiff_t row, float *dst) {
-    if (w->biases == NULL) bm_dequant_row_kind(kind, 1, w, row, dst);
-    else bm_dequant_row_kind(kind, 0, w, row, dst);
-}
+/* Defines name_kernel and name_dequant_row, the family functions of a group-quantized kind (matmul_q4.c, matmul_q8.c):
+ * its kernels symmetric or not, for any group size, and on the SIMD variants one more with the group loop unrolled for
+ * group 32 (what GGUF's Q4_0, Q4_1 and Q8_0 map to), which pays from four activation rows on (SmolLM2's shapes on a
+ * Zen 3: 8-30% at M = 4 and 16). */
+#if defined(BASERT_SIMD)
+#define BM_QUANT_KERNEL(name, kind)                                                                                      \
+    BM_STREAM_FN(name##_sym_g32, kind, 1, 32, 0)                                                                         \
+    BM_STREAM_FN(name##_asym_g32, kind, 0, 32, 0)                                                                        \
+    bm_stream_kernel name##_kernel(const basert_weight *w) {                                                             \
+        const int g32 = w->group_size == 32;                                                                             \
+        const bm_stream_fn run = w->biases == NULL ? (g32 ? name##_sym_g32 : name##_sym) : (g32 ? name##_asym_g32 : name##_asym); \
+        return (bm_stream_kernel){run, bm_m1_rows(kind, 0)};                                                             \
+    }
+#else
+#define BM_QUANT_KERNEL(name, kind)                                                                                      \
+    bm_stream_kernel name##_kernel(const basert_weight *w) {                                                             \
+        return (bm_stream_kernel){w->biases == NULL ? name##_sym : name##_asym, bm_m1_rows(kind, 0)};                    \
+    }
+#endif
+#define BM_QUANT_FAMILY(name, kind)                                                                                      \
+    BM_STREAM_FN(name##_sym, kind, 1, 0, 0)                                                                              \
+    BM_STREAM_FN(name##_asym, kind, 0, 0, 0)                                                                             \
+    BM_QUANT_KERNEL(name, kind)                                                                                          \
+    void name##_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst) {                                         \
+        if (w->biases == NULL) bm_dequant_row_kind(kind, 1, w, row, dst);                                                \
+        else bm_dequant_row_kind(kind, 0, w, row, dst);                                                                  \
+    }
 
 /* Each weight family's unit: the streaming kernel of a weight, and its row de-quantization. */
 bm_stream_kernel bm_dense_kernel(const basert_weight *w);
