@@ -1,0 +1,4 @@
+/* base_q8 weights (matmul.h): symmetric or not, any group size (see BM_QUANT_FAMILY). */
+#include "matmul_kernels.h"
+
+BM_QUANT_FAMILY(bm_q8, BASERT_Q8)
