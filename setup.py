@@ -12,8 +12,9 @@ basert/_ext/__init__.py picks the best built variant this CPU runs at import (BA
 The C kernels that several modules call (basert/_ext/kernels/*.c, declared in basert/_ext/*.h) are compiled once
 per variant into a static library of that variant, which each of its modules links: the linker takes the units a
 module calls, and their symbols stay hidden in it. Every unit (the kernel units and the Cython-generated modules of
-every variant) is compiled by one pool, a job per core, the largest first; each prints one line on stderr with its
-time (the progress `pip install -v .` shows). A unit is recompiled when it or a header it includes changed.
+every variant) is compiled by one pool, a job per core, the largest first; each prints one line with its time, on
+the terminal when there is one (pip shows a build's own output only with -v), else on stderr. A unit is recompiled
+when it or a header it includes changed.
 """
 
 from __future__ import annotations
@@ -99,6 +100,25 @@ def headers(path: Path, seen: set[Path] | None = None) -> set[Path]:
     return seen
 
 
+# What the build says about the variants (which it compiles, which not and why): printed when it compiles, not at
+# each of the several times a PEP 517 front end runs this file.
+VARIANT_NOTES: list[str] = []
+
+
+def progress(line: str) -> None:
+    """One line of the build's progress: on the terminal when there is one (pip captures a build's output and shows
+    it only with -v, so a long compile would look hung), otherwise on stderr (CI logs, `pip install -v`)."""
+    line = f"basert build: {line}\n"
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(line)
+            return
+    except OSError:
+        pass
+    sys.stderr.write(line)
+    sys.stderr.flush()
+
+
 def extensions() -> list[Extension]:
     compile_args, link_args = common_flags()
     # Cython writes basert/_ext/<module>.c once; every variant compiles it.
@@ -120,12 +140,12 @@ def extensions() -> list[Extension]:
         if variant not in wanted:
             why = ("not in BASERT_BUILD_VARIANTS" if os.environ.get("BASERT_BUILD_VARIANTS")
                    else "this CPU does not run it; BASERT_BUILD_VARIANTS=all builds every variant")
-            print(f"basert build: {variant}: not built ({why})", file=sys.stderr)
+            VARIANT_NOTES.append(f"{variant}: not built ({why})")
             continue
         if flags and not compiler_accepts(flags):
-            print(f"basert build: {variant}: the compiler rejects {' '.join(flags)}, not built", file=sys.stderr)
+            VARIANT_NOTES.append(f"{variant}: the compiler rejects {' '.join(flags)}, not built")
             continue
-        print(f"basert build: {variant}: compile {' '.join(compile_args + flags)}", file=sys.stderr)
+        VARIANT_NOTES.append(f"{variant}: compile {' '.join(compile_args + flags)}")
         for ext in generated:
             c_source = Path(ext.sources[0])
             modules.append(
@@ -159,8 +179,8 @@ def up_to_date(target: Path, sources: list[Path]) -> bool:
 
 class BuildExt(build_ext):
     """Compiles every unit of every extension in one pool of `-j` jobs (one per core by default), the kernel units
-    once per variant, then links each module with its variant's kernel library. Each compile prints one line on
-    stderr: `basert build: [3/14] avx2 matmul_q4.c 12.3 s (12.1 s CPU)` (wall, and CPU: user + system)."""
+    once per variant, then links each module with its variant's kernel library. Each compile prints one progress
+    line: `basert build: [3/14] avx2 matmul_q4.c 12.3 s (12.1 s CPU)` (wall, and CPU: user + system)."""
 
     def finalize_options(self) -> None:
         super().finalize_options()
@@ -179,6 +199,8 @@ class BuildExt(build_ext):
         # The largest first: the Cython modules (6 to 12 s each on a Zen 3), larger generated sources first, then the
         # kernel units (1 to 10 s), which fill every core to the end.
         stale.sort(key=lambda obj: (units[obj][1].parent == KERNEL_DIR, -units[obj][1].stat().st_size))
+        for note in VARIANT_NOTES:
+            progress(note)
         self._lock = threading.Lock()
         self._compiled = 0
         with ThreadPoolExecutor(self.parallel) as pool:
@@ -215,8 +237,8 @@ class BuildExt(build_ext):
         cpu = run_compiler(command)
         with self._lock:
             self._compiled += 1
-            print(f"basert build: [{self._compiled}/{count}] {ext.name.split('.')[-2]} {source.name} "
-                  f"{time.perf_counter() - start:.1f} s ({cpu:.1f} s CPU)", file=sys.stderr, flush=True)
+            progress(f"[{self._compiled}/{count}] {ext.name.split('.')[-2]} {source.name} "
+                     f"{time.perf_counter() - start:.1f} s ({cpu:.1f} s CPU)")
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})
