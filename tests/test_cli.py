@@ -92,7 +92,7 @@ def test_pull_and_list(tmp_path: Path) -> None:
 def test_complete_prints_the_reference_continuation(smollm2_base: Path) -> None:
     reference = json.loads((FIXTURES / "smollm2" / "reference.json").read_text())
     capital = next(p for p in reference["prompts"] if p["name"] == "capital")
-    result = basert("complete", str(smollm2_base), "--prompt", capital["text"], "-n", "12", "--threads", "2")
+    result = basert("complete", str(smollm2_base), "--prompt", capital["text"], "-n", "12", "--threads", "2", "--exact")
     assert result.returncode == 0, result.stderr
     from basert.format import BaseFile
     from basert.tokenizer import Tokenizer

@@ -121,9 +121,9 @@ def weight_parts(kind: str, n: int, k: int, rng: np.random.Generator, group: int
     return (kind, n, k, q.packed, q.scales, q.biases, group, scale_dtype)
 
 
-def matmul_bits(variant: str, parts: tuple, x: np.ndarray) -> np.ndarray:
+def matmul_bits(variant: str, parts: tuple, x: np.ndarray, exact: bool | None = None) -> np.ndarray:
     mm = kernels(variant, "matmul")
-    weight = mm.Weight(*parts)
+    weight = mm.Weight(*parts, exact=exact)
     out = np.full((x.shape[0], weight.n), np.nan, dtype=np.float32)
     mm.matmul(x, weight, out)
     return out
@@ -143,15 +143,20 @@ def test_dense_matmul_bits(variant: str, kind: str, k: int) -> None:
 @pytest.mark.parametrize("variant", OTHERS)
 @pytest.mark.parametrize("spec", QUANT_SPECS + ODD_GROUP_SPECS, ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("groups", ("few", "many"))
-def test_quantized_matmul_bits(variant: str, spec: tuple, groups: str) -> None:
+@pytest.mark.parametrize("path", ("int8", "exact"))
+def test_quantized_matmul_bits(variant: str, spec: tuple, groups: str, path: str) -> None:
+    """Both paths of quantized weights: 8-bit activations in integer dot products (groups of a multiple of 32; others
+    take the float path either way) and the exact float32 one."""
     kind, group, symmetric, scale_dtype = spec
+    exact = path == "exact"
     # "many": rows of 65 groups, past the 64 groups whose scales the streaming kernel converts at once.
     k = group * (65 if groups == "many" else 5 if group % 16 else 3)
     rng = np.random.default_rng(group)
     parts = weight_parts(kind, 41, k, rng, group, symmetric, scale_dtype)
     x = rng.standard_normal((max(M_VALUES), k), dtype=np.float32)
     for m in M_VALUES:
-        assert same_bits(matmul_bits(variant, parts, x[:m]), matmul_bits("portable", parts, x[:m])), (spec, m)
+        ours, portable = matmul_bits(variant, parts, x[:m], exact), matmul_bits("portable", parts, x[:m], exact)
+        assert same_bits(ours, portable), (spec, m)
 
 
 @pytest.mark.parametrize("variant", OTHERS)

@@ -73,7 +73,8 @@ def make_weight(spec: Spec, values: np.ndarray) -> tuple[mm.Weight, np.ndarray]:
         return mm.Weight("bf16", n, k, readonly(bits.reshape(-1).view(np.uint8))), bf16_bits_to_f32(bits).reshape(n, k)
     q = quantize(values, spec.kind, spec.group, symmetric=spec.symmetric, scale_dtype=spec.scale_dtype)
     biases = None if q.biases is None else readonly(q.biases)
-    weight = mm.Weight(spec.kind, n, k, readonly(q.packed), readonly(q.scales), biases, spec.group, spec.scale_dtype)
+    weight = mm.Weight(spec.kind, n, k, readonly(q.packed), readonly(q.scales), biases, spec.group, spec.scale_dtype,
+                       exact=True)
     return weight, dequantize(q)
 
 
@@ -245,7 +246,7 @@ def test_arbitrary_codes_and_scale_bits(kind: str, scale_dtype: str, symmetric: 
     bits = sign | (exponent << np.uint16(shift)) | mantissa
     q = from_parts(kind, (n, k), group, scale_dtype, packed, bits[0], None if symmetric else bits[1])
     reference = dequantize(q)
-    weight = mm.Weight(kind, n, k, q.packed, q.scales, q.biases, group, scale_dtype)
+    weight = mm.Weight(kind, n, k, q.packed, q.scales, q.biases, group, scale_dtype, exact=True)
     out = np.empty((n, k), dtype=np.float32)
     mm.embed_rows(weight, np.arange(n, dtype=np.int32), out)
     assert same_bits(out, reference)
@@ -266,7 +267,7 @@ def test_f16_conversion_is_exact_for_every_non_nan_value() -> None:
     # The same values as group scales (q8, every code 1, zero biases).
     q = from_parts("base_q8", (1, bits.size * 32), 32, "f16", np.ones(bits.size * 32, np.uint8), bits,
                    np.zeros(bits.size, np.uint16))
-    q8 = mm.Weight("base_q8", 1, q.shape[1], q.packed, q.scales, q.biases, 32, "f16")
+    q8 = mm.Weight("base_q8", 1, q.shape[1], q.packed, q.scales, q.biases, 32, "f16", exact=True)
     wide = np.empty((1, q8.k), dtype=np.float32)
     mm.embed_rows(q8, np.zeros(1, np.int32), wide)
     assert same_bits(wide, dequantize(q))

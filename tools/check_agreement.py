@@ -1,67 +1,108 @@
-"""Top-1 agreement of a SmolLM2 .base file with the recorded reference outputs.
+"""How closely the default path (8-bit activations in integer dot products) follows the exact float32 path.
 
-    python tools/check_agreement.py MODEL.base [--reference tests/fixtures/smollm2/reference.json]
+    python tools/check_agreement.py MODEL.base [MODEL.base ...] [--text FILE ...] [--positions 2048] [--window 512]
 
-Teacher-forced: the prompt plus the reference's 32 greedy tokens are fed in one forward, and the
-argmax at each of the 32 generation positions is compared with the reference token. Also reports
-how many prompts reproduce the full 32-token greedy continuation when generating freely, and the
-largest last-position top-20 logit gap.
+Both paths of the same weights read the same committed text, teacher-forced: the text is tokenized and cut into
+windows of --window tokens, each window is one forward with the logits of every position, and at each position the
+next-token distribution of the default path is compared with the exact one's: top-1 agreement (the same argmax) and
+the KL divergence KL(exact || default), in float64. At least --positions positions per model.
+
+Prints one Markdown row per model and exits 1 when a model misses --min-top1 (percent, default 98.5) or --max-kl
+(mean KL in nats, default 0.005): the tolerances the default path is held to.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from basert.engine.build import tokenizer_of
 from basert.engine.runner import ForwardRequest, ModelRunner
+from basert.format.reader import BaseFile
 
-DEFAULT_REFERENCE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "smollm2" / "reference.json"
+ROOT = Path(__file__).resolve().parent.parent
+# Committed text, prose and code, read in this order until there are enough positions.
+DEFAULT_TEXTS = [ROOT / "README.md", ROOT / "tests" / "fixtures" / "refdata" / "hybrid-math.md",
+                 ROOT / "basert" / "engine" / "scheduler.py"]
+
+
+def tokens_of(model: Path, texts: list[Path], wanted: int) -> list[int]:
+    with BaseFile(model, verify_checksums=False) as base:
+        tokenizer = tokenizer_of(base.tokenizer)
+    if tokenizer is None:
+        raise SystemExit(f"{model}: no tokenizer in the file")
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode(text.read_text(encoding="utf-8"), parse_special=False)
+        if len(ids) > wanted:
+            break
+    return ids
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def window_logits(runner: ModelRunner, window: list[int]) -> np.ndarray:
+    seq = runner.new_sequence()
+    try:
+        return runner.forward([ForwardRequest(seq, window, logits="all")])[0].copy()
+    finally:
+        runner.release(seq)
+
+
+def compare(model: Path, texts: list[Path], positions: int, window: int) -> tuple[int, float, float, float]:
+    """(positions, top-1 agreement in percent, mean KL, largest KL) of the default path against the exact one."""
+    ids = tokens_of(model, texts, positions + 1)
+    if len(ids) < 2:
+        raise SystemExit(f"{model}: the texts give fewer than 2 tokens")
+    exact = ModelRunner(model, max_context=window, exact=True)
+    default = ModelRunner(model, max_context=window, exact=False)
+    agree = total = 0
+    kl_sum, kl_max = 0.0, 0.0
+    try:
+        for start in range(0, len(ids) - 1, window):
+            chunk = ids[start:start + window]
+            p, q = log_softmax(window_logits(exact, chunk)), log_softmax(window_logits(default, chunk))
+            kl = np.sum(np.exp(p) * (p - q), axis=-1)
+            agree += int(np.sum(np.argmax(p, axis=-1) == np.argmax(q, axis=-1)))
+            total += len(chunk)
+            kl_sum += float(kl.sum())
+            kl_max = max(kl_max, float(kl.max()))
+            if total >= positions:
+                break
+    finally:
+        exact.close()
+        default.close()
+    return total, 100.0 * agree / total, kl_sum / total, kl_max
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", type=Path)
-    parser.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE)
+    parser.add_argument("models", type=Path, nargs="+")
+    parser.add_argument("--text", type=Path, action="append", help="text to read (repeatable; default: "
+                        + ", ".join(str(p.relative_to(ROOT)) for p in DEFAULT_TEXTS) + ")")
+    parser.add_argument("--positions", type=int, default=2048, help="positions per model at least (default 2048)")
+    parser.add_argument("--window", type=int, default=512, help="tokens per forward (default 512)")
+    parser.add_argument("--min-top1", type=float, default=98.5, help="required top-1 agreement, percent")
+    parser.add_argument("--max-kl", type=float, default=0.005, help="largest acceptable mean KL divergence (nats)")
     args = parser.parse_args()
-    prompts = json.loads(args.reference.read_text())["prompts"]
-    runner = ModelRunner(args.model, max_context=1024)
-    agree = total = exact = 0
-    worst_top20 = 0.0
-    rows = []
-    for prompt in prompts:
-        ids, greedy = prompt["input_ids"], prompt["greedy"]
-        seq = runner.new_sequence()
-        logits = runner.forward([ForwardRequest(seq, ids + greedy[:-1], logits="all")])[0].copy()
-        runner.release(seq)
-        predicted = np.argmax(logits[len(ids) - 1:], axis=1)
-        matches = int(np.sum(predicted == np.asarray(greedy)))
-        top = prompt["last_top20"]
-        gap = float(np.max(np.abs(logits[len(ids) - 1][[t["id"] for t in top]] -
-                                  np.asarray([t["logit"] for t in top], dtype=np.float32))))
-        seq = runner.new_sequence()
-        last = runner.forward([ForwardRequest(seq, ids)])[0][0].copy()
-        free = []
-        for _ in range(len(greedy)):
-            free.append(int(np.argmax(last)))
-            last = runner.forward([ForwardRequest(seq, [free[-1]])])[0][0].copy()
-        runner.release(seq)
-        exact += free == greedy
-        agree += matches
-        total += len(greedy)
-        worst_top20 = max(worst_top20, gap)
-        rows.append((prompt["name"], matches, len(greedy), free == greedy, gap))
-    runner.close()
-    print("| prompt | teacher-forced top-1 | free greedy identical | max top-20 gap |")
-    print("| --- | ---: | :---: | ---: |")
-    for name, matches, n, same, gap in rows:
-        print(f"| {name} | {matches}/{n} | {'yes' if same else 'no'} | {gap:.2e} |")
-    print(f"\nagreement {agree}/{total} = {agree / total:.1%}; identical continuations {exact}/{len(prompts)}; "
-          f"worst top-20 gap {worst_top20:.2e}")
-    return 0
+    texts = args.text or DEFAULT_TEXTS
+    failed = False
+    print("| model | positions | top-1 agreement | mean KL | max KL |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for model in args.models:
+        total, top1, kl_mean, kl_max = compare(model, texts, args.positions, args.window)
+        ok = top1 >= args.min_top1 and kl_mean <= args.max_kl
+        failed |= not ok
+        print(f"| {model.name} | {total} | {top1:.2f}% | {kl_mean:.5f} | {kl_max:.4f} |{'' if ok else ' FAILS'}",
+              flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

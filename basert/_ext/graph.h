@@ -22,8 +22,9 @@
  *   HEAD      every member normalises the rows that want logits (final norm); chunks of vocab rows
  *
  * Every value is computed by the same row kernels, in the same order, as the Python model files'
- * per-kernel path (models/layers.py, models/gemma3.py): matmul rows by basert_stream (whose rows are
- * independent of the rows computed with them), norms by basert_rmsnorm_row, RoPE by basert_rope_row,
+ * per-kernel path (models/layers.py, models/gemma3.py): matmul rows by basert_matmul_rows (whose rows are
+ * independent of the rows computed with them; a phase whose weights take the integer path has its input rows
+ * quantized by each member in the phase's prologue, as matmul.pyx quantizes them once per call), norms by basert_rmsnorm_row, RoPE by basert_rope_row,
  * attention by basert_attend_segment and basert_attend_merge (attention.h: the same bits as
  * basert_attend_rows), SwiGLU and GeGLU by their row functions over 8-aligned column ranges, residual adds
  * as single float additions. So a token's logits are the same bits whichever path, batch or thread count
@@ -69,6 +70,9 @@ typedef struct {
     /* Buffers (max_tokens rows each) */
     float *x;       /* [T, D] residual stream, embedded tokens on entry */
     float *normed;  /* [n_members][max_tokens, D] each member's normalised rows */
+    uint8_t *quantized; /* [n_members][max_tokens records of basert_qrow_bytes(max_k)]: the phase's input rows quantized
+                           by each member, for the weights on the integer path */
+    ptrdiff_t max_k;    /* the widest matmul input: max(D, n_heads * head_dim, ffn) */
     float *q, *k, *v, *attn, *delta, *gate, *up;
     float *logits;  /* [n_logits, vocab] */
     /* Attention: unit u = (item u / n_kv, kv head u % n_kv) has rows (token, query head of the group) */
@@ -89,35 +93,58 @@ typedef struct {
 
 static inline float *bg_member_normed(const bg_model *m, int member) { return m->normed + (ptrdiff_t)member * m->max_tokens * m->dim; }
 
-/* Rows [r0, r1) of out[T, ldo] = x[T, ldx] @ W^T. */
-static inline void bg_rows(const basert_weight *w, const float *x, ptrdiff_t ldx, int T, ptrdiff_t r0, ptrdiff_t r1,
-                           float *out, ptrdiff_t ldo) {
-    if (r1 > w->n) r1 = w->n;
-    if (r0 < r1) basert_stream(w, x, ldx, T, r0, r1, out, ldo);
+static inline uint8_t *bg_member_quantized(const bg_model *m, int member) {
+    return m->quantized + (ptrdiff_t)member * m->max_tokens * basert_qrow_bytes(m->max_k);
 }
 
+/* Rows [r0, r1) of out[T, ldo] = x[T, ldx] @ W^T (on the integer path from qx, x quantized). */
+static inline void bg_rows(const basert_weight *w, const float *x, ptrdiff_t ldx, const uint8_t *qx, int T, ptrdiff_t r0,
+                           ptrdiff_t r1, float *out, ptrdiff_t ldo) {
+    if (r1 > w->n) r1 = w->n;
+    if (r0 < r1) basert_matmul_rows(w, x, ldx, qx, T, r0, r1, out, ldo);
+}
+
+/* A phase's input rows, normalised first where the phase starts with a norm, and quantized into the member's buffer
+ * when its weight takes the integer path: once per member and phase, for every chunk the member claims. */
 static void bg_prologue(void *ctx, int phase, int member) {
     bg_model *m = (bg_model *)ctx;
     float *h = bg_member_normed(m, member);
+    uint8_t *qh = bg_member_quantized(m, member);
     if (phase == m->n_layers * BG_PHASES_PER_LAYER) {
         for (int i = 0; i < m->n_logits; i++)
             basert_rmsnorm_row(m->x + (ptrdiff_t)m->logit_rows[i] * m->dim, m->final_norm, m->eps, h + i * m->dim, m->dim);
+        if (m->head->int8) basert_quantize_rows(h, m->dim, m->n_logits, m->dim, qh);
         return;
     }
     const bg_layer *l = &m->layers[phase / BG_PHASES_PER_LAYER];
-    const int kind = phase % BG_PHASES_PER_LAYER;
-    if (kind != BG_QKV && kind != BG_GATEUP) return;
-    const float *w = kind == BG_QKV ? l->input_norm : l->post_norm;
-    for (int t = 0; t < m->T; t++) basert_rmsnorm_row(m->x + t * m->dim, w, m->eps, h + t * m->dim, m->dim);
+    switch (phase % BG_PHASES_PER_LAYER) {
+    case BG_QKV:
+    case BG_GATEUP: {
+        const int qkv = phase % BG_PHASES_PER_LAYER == BG_QKV;
+        for (int t = 0; t < m->T; t++)
+            basert_rmsnorm_row(m->x + t * m->dim, qkv ? l->input_norm : l->post_norm, m->eps, h + t * m->dim, m->dim);
+        if (qkv ? l->wq->int8 || l->wk->int8 || l->wv->int8 : l->wgate->int8 || l->wup->int8)
+            basert_quantize_rows(h, m->dim, m->T, m->dim, qh);
+        break;
+    }
+    case BG_O:
+        if (l->wo->int8) basert_quantize_rows(m->attn, l->wo->k, m->T, l->wo->k, qh);
+        break;
+    case BG_DOWN:
+        if (l->wdown->int8) basert_quantize_rows(m->gate, m->ffn, m->T, m->ffn, qh);
+        break;
+    default:
+        break;
+    }
 }
 
 /* out = W x rows [r0, r1), then x[t, r] += out[t, r] for those rows, unless the output is normed first
  * (out_norm: the *_NORM phase adds it). */
 static void bg_rows_residual(bg_model *m, const basert_weight *w, const float *out_norm, const float *in, ptrdiff_t ldin,
-                             ptrdiff_t r0, ptrdiff_t r1) {
+                             const uint8_t *qin, ptrdiff_t r0, ptrdiff_t r1) {
     if (r1 > m->dim) r1 = m->dim;
     if (r0 >= r1) return;
-    basert_stream(w, in, ldin, m->T, r0, r1, m->delta, m->dim);
+    basert_matmul_rows(w, in, ldin, qin, m->T, r0, r1, m->delta, m->dim);
     if (out_norm) return;
     for (int t = 0; t < m->T; t++) {
         float *x = m->x + t * m->dim, *d = m->delta + t * m->dim;
@@ -170,12 +197,12 @@ static void bg_finish_head(const bg_model *m, const bg_layer *l, int t, int part
 
 /* Rows [r0, r1) of the concatenated q | k | v projection (whole heads), then each head's norm, RoPE and
  * cache write. */
-static void bg_qkv_rows(const bg_model *m, const bg_layer *l, const float *h, ptrdiff_t r0, ptrdiff_t r1) {
+static void bg_qkv_rows(const bg_model *m, const bg_layer *l, const float *h, const uint8_t *qh, ptrdiff_t r0, ptrdiff_t r1) {
     const ptrdiff_t nq = l->wq->n, nk = l->wk->n, d = m->head_dim;
     const int T = m->T;
-    bg_rows(l->wq, h, m->dim, T, r0, r1, m->q, nq);
-    bg_rows(l->wk, h, m->dim, T, r0 > nq ? r0 - nq : 0, r1 - nq, m->k, nk);
-    bg_rows(l->wv, h, m->dim, T, r0 > nq + nk ? r0 - nq - nk : 0, r1 - nq - nk, m->v, nk);
+    bg_rows(l->wq, h, m->dim, qh, T, r0, r1, m->q, nq);
+    bg_rows(l->wk, h, m->dim, qh, T, r0 > nq ? r0 - nq : 0, r1 - nq, m->k, nk);
+    bg_rows(l->wv, h, m->dim, qh, T, r0 > nq + nk ? r0 - nq - nk : 0, r1 - nq - nk, m->v, nk);
     if (r1 > nq + 2 * nk) r1 = nq + 2 * nk;
     for (ptrdiff_t r = r0; r < r1; r += d) {
         const int part = r < nq ? 0 : r < nq + nk ? 1 : 2;
@@ -274,14 +301,16 @@ static void bg_chunk(void *ctx, int phase, int chunk, int member) {
     const int T = m->T;
     if (phase == m->n_layers * BG_PHASES_PER_LAYER) {
         const ptrdiff_t r0 = chunk * m->head_rows;
-        bg_rows(m->head, bg_member_normed(m, member), m->dim, m->n_logits, r0, r0 + m->head_rows, m->logits, m->vocab);
+        bg_rows(m->head, bg_member_normed(m, member), m->dim, bg_member_quantized(m, member), m->n_logits, r0,
+                r0 + m->head_rows, m->logits, m->vocab);
         return;
     }
     const bg_layer *l = &m->layers[phase / BG_PHASES_PER_LAYER];
     const float *h = bg_member_normed(m, member);
+    const uint8_t *qh = bg_member_quantized(m, member);
     switch (phase % BG_PHASES_PER_LAYER) {
     case BG_QKV:
-        bg_qkv_rows(m, l, h, chunk * m->qkv_rows, (chunk + 1) * m->qkv_rows);
+        bg_qkv_rows(m, l, h, qh, chunk * m->qkv_rows, (chunk + 1) * m->qkv_rows);
         break;
     case BG_ATTN:
         bg_attention_segment(m, l, m->attn_chunks[2 * chunk], m->attn_chunks[2 * chunk + 1], member);
@@ -290,7 +319,7 @@ static void bg_chunk(void *ctx, int phase, int chunk, int member) {
         bg_attention_merge(m, l, m->merge_units[chunk], member);
         break;
     case BG_O:
-        bg_rows_residual(m, l->wo, l->attn_out_norm, m->attn, (ptrdiff_t)m->n_heads * m->head_dim, chunk * m->o_rows,
+        bg_rows_residual(m, l->wo, l->attn_out_norm, m->attn, (ptrdiff_t)m->n_heads * m->head_dim, qh, chunk * m->o_rows,
                          (chunk + 1) * m->o_rows);
         break;
     case BG_O_NORM:
@@ -299,8 +328,8 @@ static void bg_chunk(void *ctx, int phase, int chunk, int member) {
     case BG_GATEUP: {
         ptrdiff_t r0 = chunk * m->ffn_rows, r1 = r0 + m->ffn_rows;
         if (r1 > m->ffn) r1 = m->ffn;
-        bg_rows(l->wgate, h, m->dim, T, r0, r1, m->gate, m->ffn);
-        bg_rows(l->wup, h, m->dim, T, r0, r1, m->up, m->ffn);
+        bg_rows(l->wgate, h, m->dim, qh, T, r0, r1, m->gate, m->ffn);
+        bg_rows(l->wup, h, m->dim, qh, T, r0, r1, m->up, m->ffn);
         for (int t = 0; t < T; t++) {
             float *gate = m->gate + t * m->ffn + r0;
             const float *up = m->up + t * m->ffn + r0;
@@ -310,7 +339,7 @@ static void bg_chunk(void *ctx, int phase, int chunk, int member) {
         break;
     }
     case BG_DOWN:
-        bg_rows_residual(m, l->wdown, l->mlp_out_norm, m->gate, m->ffn, chunk * m->o_rows, (chunk + 1) * m->o_rows);
+        bg_rows_residual(m, l->wdown, l->mlp_out_norm, m->gate, m->ffn, qh, chunk * m->o_rows, (chunk + 1) * m->o_rows);
         break;
     default:
         bg_add_normed(m, l->mlp_out_norm, chunk, member);

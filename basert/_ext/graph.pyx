@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int32_t
+from libc.stdint cimport int32_t, uint8_t
 from libc.stdlib cimport free, malloc
 
 cnp.import_array()
@@ -16,6 +16,7 @@ cnp.import_array()
 cdef extern from "graph.h" nogil:
     ctypedef struct basert_weight:
         Py_ssize_t n, k
+    Py_ssize_t basert_qrow_bytes(Py_ssize_t k)
     ctypedef struct basert_member_stats:
         unsigned long long wait_ns, waits
     ctypedef struct basert_team:
@@ -62,6 +63,8 @@ cdef extern from "graph.h" nogil:
         bg_layer *layers
         float *x
         float *normed
+        uint8_t *quantized
+        Py_ssize_t max_k
         float *q
         float *k
         float *v
@@ -189,6 +192,7 @@ cdef class DecodeGraph:
         m.n_layers, m.n_heads, m.n_kv, m.head_dim = n_layers, n_heads, n_kv, head_dim
         m.rope_half, m.interleaved, m.kv_f16, m.max_tokens = tables[0][0].shape[1], interleaved, 0, max_tokens
         m.dim, m.ffn, m.vocab, m.max_pos = dim, ffn, vocab, tables[0][0].shape[0]
+        m.max_k = max(dim, qdim, ffn)
         m.eps, m.scale = eps, scale
         m.activation = BG_GEGLU if activation == "gelu_tanh" else BG_SWIGLU
         m.final_norm = _vector(final_norm, dim, "final_norm")
@@ -237,6 +241,9 @@ cdef class DecodeGraph:
         m.n_members = self.team.n_threads
         self.member_buffers = []
         m.normed = _buffer(self.member_buffers, (m.n_members, m.max_tokens, m.dim))
+        quantized = np.zeros((m.n_members, m.max_tokens, basert_qrow_bytes(m.max_k)), dtype=np.uint8)
+        self.member_buffers.append(quantized)
+        m.quantized = <uint8_t *> cnp.PyArray_DATA(quantized)
         # Per member: the scores of one segment of a unit's rows, then the unit's row pointers (graph.h).
         m.scores = _buffer(self.member_buffers, (m.n_members, m.unit_rows * (BASERT_ATTN_SEGMENT + 8)))
         bg_plan_chunks(m)

@@ -39,6 +39,7 @@ typedef struct {
     const uint8_t *data;
     const uint16_t *scales;    /* k / group_size per row; NULL for dense */
     const uint16_t *biases;    /* NULL: symmetric codes (u - 2^(bits-1)) * scale */
+    int int8;                  /* meets 8-bit activations in integer dot products (basert_qmatmul); else the float path */
 } basert_weight;
 
 static inline int basert_omp_max_threads(void) {
@@ -67,6 +68,49 @@ void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst);
 /* Columns r0..r1 of out[m, ldy] = x[m, ldx] @ W^T, m <= BASERT_STREAM_MAX_M, weights read once. */
 void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1,
                    float *y, ptrdiff_t ldy);
+
+/* ---- 8-bit activations and integer dot products: the default path of quantized weights ----
+ *
+ * An activation row is quantized once per block of 32 values (basert_quantize_rows): d = amax / 127 with amax the
+ * largest |x| of the block, q = rint(clamp(x * (1 / d), -127, 127)) (nearest, ties to even; 1 / d taken as 0 when
+ * d = 0), and the sum of every 16 codes kept beside them. A weight row whose values are s * u + m in groups of 32,
+ * 64 or 128 (u its code, s and m the group's scale and bias; m = 0 and u - 2^(bits-1) in place of u when symmetric)
+ * meets an activation row block by block:
+ *
+ *     I = sum over the block of u * q                  an exact integer, however it is computed
+ *     t = (s * d) * float(I)                           symmetric
+ *     t = (s * d) * float(I) + (m * d) * float(S)      with biases; S is the sum of the block's 32 codes
+ *     out = ((t_0 + t_1) + t_2) + ...                  in block order
+ *
+ * each product and sum a float32 operation of its own (no FMA). The integer sums are exact whichever instructions,
+ * lanes or order compute them, and the float operations are the same everywhere, so an output is the same bits on
+ * every CPU variant, whatever the batch, the rows computed with it or the thread count, and a numpy reference
+ * reproduces it exactly. Rows of quantized activations are records of basert_qrow_bytes(k) bytes: k codes (int8),
+ * k / 32 scales (float32), k / 16 sums (int16), a multiple of 64 bytes. */
+
+static inline ptrdiff_t basert_qrow_bytes(ptrdiff_t k) { return (k + k / 8 + k / 8 + 63) & ~(ptrdiff_t)63; }
+
+/* Whether the weight can take the integer path: base_q4 / base_q8 with groups of a multiple of 32. */
+static inline int basert_int8_capable(const basert_weight *w) {
+    return (w->kind == BASERT_Q4 || w->kind == BASERT_Q8) && w->group_size % 32 == 0;
+}
+
+/* m rows x[i * ldx .. + k) (k a multiple of 32) quantized into records dst + i * basert_qrow_bytes(k). */
+void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k, uint8_t *dst);
+
+/* Columns r0..r1 of y[m, ldy] = x @ W^T for a weight with int8 set, x given as m quantized rows (records of
+ * basert_qrow_bytes(w->k) bytes from qx): weight rows eight at a time against activation rows four at a time,
+ * the activation rows in blocks that stay in L2 while the weight rows stream past them. */
+void basert_qmatmul(const basert_weight *w, const uint8_t *qx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y,
+                    ptrdiff_t ldy);
+
+/* Rows r0..r1 of y = x @ W^T by the weight's path: the integer one from qx when w->int8 is set, else the float one
+ * from x (m <= BASERT_STREAM_MAX_M). */
+static inline void basert_matmul_rows(const basert_weight *w, const float *x, ptrdiff_t ldx, const uint8_t *qx, ptrdiff_t m,
+                                      ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
+    if (w->int8) basert_qmatmul(w, qx, m, r0, r1, y, ldy);
+    else basert_stream(w, x, ldx, m, r0, r1, y, ldy);
+}
 
 /* ---- larger M: de-quantize a tile of rows once, reuse it for every activation row ---- */
 

@@ -1,10 +1,14 @@
 # cython: language_level=3
-"""Matmul of float32 activations with .base weights (dense or group-quantized, de-quantized on the fly),
-and embedding row lookup. GIL released, output rows split across OpenMP threads; every output
-value is bit-identical whatever the batch size, its row in the batch, or the thread count."""
+"""Matmul of float32 activations with .base weights, and embedding row lookup. Quantized weights (base_q4, base_q8
+in groups of 32, 64 or 128) meet the activations quantized to 8 bits in integer dot products (matmul.h states the
+contract); dense weights, and every weight of the exact path (BASERT_EXACT=1, `--exact`, or Weight(exact=True)),
+are de-quantized to float32 on the fly. GIL released, output rows split across OpenMP threads; every output value
+is bit-identical whatever the batch size, its row in the batch, the thread count or the CPU variant."""
+
+import os
 
 from cython.parallel cimport prange, threadid
-from libc.stdint cimport int32_t, uint8_t, uint16_t
+from libc.stdint cimport int8_t, int16_t, int32_t, uint8_t, uint16_t
 from libc.stdlib cimport free
 from libc.string cimport memcpy
 
@@ -30,6 +34,7 @@ cdef extern from "matmul.h" nogil:
         const uint8_t *data
         const uint16_t *scales
         const uint16_t *biases
+        int int8
     int basert_omp_max_threads()
     void basert_omp_set_threads(int n)
     void basert_dequant_row(const basert_weight *w, Py_ssize_t row, float *dst)
@@ -44,6 +49,13 @@ cdef extern from "matmul.h" nogil:
     Py_ssize_t basert_tile_start(Py_ssize_t t, Py_ssize_t tiles, Py_ssize_t n)
     void basert_gemm_tile(const basert_weight *w, const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t r0,
                           Py_ssize_t r1, float *buf, float *out)
+    void basert_matmul_rows(const basert_weight *w, const float *x, Py_ssize_t ldx, const uint8_t *qx, Py_ssize_t m,
+                            Py_ssize_t r0, Py_ssize_t r1, float *y, Py_ssize_t ldy)
+    Py_ssize_t basert_qrow_bytes(Py_ssize_t k)
+    int basert_int8_capable(const basert_weight *w)
+    void basert_quantize_rows(const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k, uint8_t *dst)
+    void basert_qmatmul(const basert_weight *w, const uint8_t *qx, Py_ssize_t m, Py_ssize_t r0, Py_ssize_t r1, float *y,
+                        Py_ssize_t ldy)
 
 # kind -> (C enum, bits per stored value)
 _KINDS = {"f32": (BASERT_F32, 32), "f16": (BASERT_F16, 16), "bf16": (BASERT_BF16, 16),
@@ -79,11 +91,60 @@ def get_num_threads():
     return _num_threads
 
 
+# Whether new Weights take the exact float32 path by default: BASERT_EXACT=1 in the environment, or set_exact.
+cdef bint _exact = os.environ.get("BASERT_EXACT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def set_exact(bint exact):
+    """Make Weights created from now on (without an explicit `exact`) take the exact float32 path, or the integer one."""
+    global _exact
+    _exact = exact
+
+
+def get_exact():
+    """Whether Weights created without an explicit `exact` take the exact float32 path."""
+    return _exact
+
+
+cdef class QuantizedRows:
+    """x [M, K] quantized to 8 bits per block of 32 (matmul.h's records), in a 64-byte aligned buffer of its own."""
+
+    cdef uint8_t *data
+    cdef readonly Py_ssize_t m, k, row_bytes
+
+    def __cinit__(self, const float[:, ::1] x):
+        self.m, self.k = x.shape[0], x.shape[1]
+        if self.k % 32:
+            raise ValueError(f"K={self.k} is not a multiple of 32")
+        self.row_bytes = basert_qrow_bytes(self.k)
+        self.data = <uint8_t *>aligned_alloc(64, max(1, self.m * self.row_bytes))
+        if self.data == NULL:
+            raise MemoryError()
+        cdef Py_ssize_t i, rb = self.row_bytes, k = self.k
+        cdef int nt = _threads_for_macs(self.m * self.k * 64)
+        if self.m:
+            with nogil:
+                for i in prange(self.m, num_threads=nt, schedule="static"):
+                    basert_quantize_rows(&x[i, 0], k, 1, k, self.data + i * rb)
+
+    def __dealloc__(self):
+        free(self.data)
+
+    def parts(self):
+        """(codes int8 [M, K], scales float32 [M, K/32], sums of 16 codes int16 [M, K/16]): copies, for tests."""
+        import numpy as np
+        raw = np.frombuffer((<char *>self.data)[:self.m * self.row_bytes], dtype=np.uint8).reshape(self.m, self.row_bytes)
+        k = self.k
+        return (raw[:, :k].view(np.int8).copy(), raw[:, k:k + k // 8].copy().view(np.float32),
+                raw[:, k + k // 8:k + k // 4].copy().view(np.int16))
+
+
 cdef class Weight:
     """A read-only view of one .base weight matrix [N, K]; keeps references to its arrays, never copies them."""
 
     cdef readonly str kind, scale_dtype
     cdef readonly int n, k, group_size
+    cdef readonly bint exact
     cdef readonly object data, scales, biases
     # Typed views hold a buffer export, so the memory behind the raw pointers cannot move or be freed.
     cdef const uint8_t[::1] _data_view
@@ -91,7 +152,7 @@ cdef class Weight:
     cdef basert_weight c
 
     def __init__(self, str kind, int n, int k, data, scales=None, biases=None, int group_size=0,
-                 str scale_dtype="f16"):
+                 str scale_dtype="f16", exact=None):
         if kind not in _KINDS and kind not in BLOCK_KINDS:
             raise ValueError(f"kind must be one of {tuple(_KINDS) + tuple(BLOCK_KINDS)}, got {kind!r}")
         if n < 0 or k < 1:
@@ -151,6 +212,13 @@ cdef class Weight:
                 self.c.biases = &self._biases_view[0]
         if code == BASERT_F32 and <size_t>self.c.data % 4:
             raise ValueError("f32 weight data must be 4-byte aligned")
+        self.exact = _exact if exact is None else bool(exact)
+        self.c.int8 = not self.exact and basert_int8_capable(&self.c)
+
+    @property
+    def int8(self):
+        """Whether this weight meets 8-bit activations in integer dot products (else the exact float32 path)."""
+        return bool(self.c.int8)
 
     def rows(self, int start, int stop):
         """A Weight for output rows [start, stop), viewing the same arrays (e.g. one expert of an [E*N, K] stack)."""
@@ -159,11 +227,12 @@ cdef class Weight:
         rb = self.c.row_bytes
         data = self.data[start * rb:stop * rb]
         if self.scales is None:
-            return Weight(self.kind, stop - start, self.k, data, group_size=self.group_size if self.c.ggml_type else 0)
+            return Weight(self.kind, stop - start, self.k, data, group_size=self.group_size if self.c.ggml_type else 0,
+                          exact=self.exact)
         g = self.k // self.group_size
         biases = None if self.biases is None else self.biases[start * g:stop * g]
         return Weight(self.kind, stop - start, self.k, data, self.scales[start * g:stop * g], biases,
-                      self.group_size, self.scale_dtype)
+                      self.group_size, self.scale_dtype, exact=self.exact)
 
     @property
     def c_address(self):
@@ -171,7 +240,8 @@ cdef class Weight:
         return <size_t>&self.c
 
     def __repr__(self):
-        return f"Weight({self.kind}, n={self.n}, k={self.k}, group_size={self.group_size})"
+        path = "int8" if self.c.int8 else "float32"
+        return f"Weight({self.kind}, n={self.n}, k={self.k}, group_size={self.group_size}, {path})"
 
 
 def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
@@ -186,6 +256,18 @@ def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
     if out.shape[0] != m or out.shape[1] != n:
         raise ValueError(f"out has shape ({out.shape[0]}, {out.shape[1]}), expected ({m}, {n})")
     if m == 0 or n == 0:
+        return
+    cdef QuantizedRows qx
+    cdef const uint8_t *qdata
+    if w.c.int8:
+        qx = QuantizedRows(x)
+        qdata = qx.data
+        # One contiguous run of rows per thread, a multiple of the kernel's 8 rows.
+        per = ((n + nt - 1) // nt + 7) // 8 * 8
+        chunks = (n + per - 1) // per
+        with nogil:
+            for t in prange(chunks, num_threads=nt, schedule="static"):
+                basert_qmatmul(&w.c, qdata, m, t * per, min(n, (t + 1) * per), &out[0, 0], n)
         return
     if m <= BASERT_STREAM_MAX_M:
         # One contiguous run of rows per thread (a multiple of 4 for the 4-row kernel) streams best.
@@ -223,12 +305,14 @@ cdef enum:
 
 
 def matmul_many(const float[:, ::1] x, list weights, list outs):
-    """outs[i] = x @ weights[i]^T for weights sharing x's K (q/k/v, gate/up): at most BASERT_STREAM_MAX_M rows
-    stream through one parallel region over the rows of every weight, so one synchronisation serves them all;
-    larger batches run `matmul` per weight. Each output row is the same as `matmul`'s (bit for bit)."""
+    """outs[i] = x @ weights[i]^T for weights sharing x's K (q/k/v, gate/up): x is quantized once for every weight on
+    the integer path, and one parallel region over the rows of every weight computes the integer ones at any batch
+    size and the float ones up to BASERT_STREAM_MAX_M rows, so one synchronisation serves them all; larger batches
+    run `matmul` for each float weight. Each output row is the same as `matmul`'s (bit for bit)."""
     cdef Py_ssize_t m = x.shape[0], k = x.shape[1], count = len(weights), total = 0, per, chunks, t, i
-    cdef Py_ssize_t r0, r1, lo, hi
+    cdef Py_ssize_t r0, r1, lo, hi, fused = 0
     cdef int nt
+    cdef bint any_int8 = False
     cdef Weight w
     cdef float[:, ::1] o
     if len(outs) != count:
@@ -242,12 +326,8 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
             raise ValueError(f"x has {k} columns, weight {i} has K={w.c.k}")
         if o.shape[0] != m or o.shape[1] != w.c.n:
             raise ValueError(f"output {i} has shape ({o.shape[0]}, {o.shape[1]}), expected ({m}, {w.c.n})")
-        total += w.c.n
-    if m == 0 or total == 0:
-        return
-    if m > BASERT_STREAM_MAX_M:
-        for i in range(count):
-            matmul(x, weights[i], outs[i])
+        any_int8 = any_int8 or w.c.int8
+    if m == 0:
         return
     cdef const basert_weight *cw[MAX_FUSED]
     cdef float *co[MAX_FUSED]
@@ -255,23 +335,32 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
     first[0] = 0
     for i in range(count):
         w = weights[i]
+        if m > BASERT_STREAM_MAX_M and not w.c.int8:
+            matmul(x, w, outs[i])
+            continue
         o = outs[i]
-        cw[i] = &w.c
-        co[i] = &o[0, 0] if w.c.n else NULL
-        first[i + 1] = first[i] + w.c.n
-    # One contiguous run of the concatenated rows per thread, cut at the weights' boundaries.
+        cw[fused] = &w.c
+        co[fused] = &o[0, 0] if w.c.n else NULL
+        first[fused + 1] = first[fused] + w.c.n
+        fused += 1
+    total = first[fused]
+    if total == 0:
+        return
+    cdef QuantizedRows qx = QuantizedRows(x) if any_int8 else None
+    cdef const uint8_t *qdata = qx.data if any_int8 else NULL
+    # One contiguous run of the concatenated rows per thread (a multiple of 8), cut at the weights' boundaries.
     nt = _threads_for_macs(m * total * k)
-    per = ((total + nt - 1) // nt + 3) // 4 * 4
+    per = ((total + nt - 1) // nt + 7) // 8 * 8
     chunks = (total + per - 1) // per
     with nogil:
         for t in prange(chunks, num_threads=nt, schedule="static"):
             r0 = t * per
             r1 = min(total, r0 + per)
-            for i in range(count):
+            for i in range(fused):
                 lo = max(r0, first[i])
                 hi = min(r1, first[i + 1])
                 if lo < hi:
-                    basert_stream(cw[i], &x[0, 0], k, m, lo - first[i], hi - first[i], co[i], cw[i].n)
+                    basert_matmul_rows(cw[i], &x[0, 0], k, qdata, m, lo - first[i], hi - first[i], co[i], cw[i].n)
 
 
 def embed_rows(Weight w not None, const int32_t[::1] ids, float[:, ::1] out):

@@ -74,4 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="random seed for reproducible sampling")
     p.add_argument("--max-context", type=int, default=4096, help="context window (default 4096)")
     p.add_argument("--threads", "-t", type=int, help="engine threads (default: one per physical core)")
+    p.add_argument("--exact", action="store_true",
+                   help="quantized weights take the exact float32 path (slower): the reference that the default, "
+                   "8-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
     p.set_defaults(func=cmd_complete)

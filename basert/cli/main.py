@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if getattr(args, "exact", False):
+        from basert._ext import matmul
+
+        matmul.set_exact(True)   # every model this process loads
     try:
         return args.func(args)
     except (ConvertError, ModelValidationError, ModelPackageError, ModelNotFoundError, TokenizerError,

@@ -37,6 +37,7 @@ class EngineOptions:
     kv_cache_tokens: int | None = None  # size of the paged pool (default: n_slots x max_context)
     kv_bits: int = 16                   # KV element width: 16 or 32
     threads: int | None = None          # default: every core this process may run on
+    exact: bool | None = None           # quantized weights on the exact float32 path (None: BASERT_EXACT / --exact)
     prefix_cache: bool = False
     prefix_cache_file: Path | None = None  # PATH: the cache persists in PATH (PATH.<model id> for one of several)
     one_of_several: bool = False        # the server serves other models too, each with a file of its own
@@ -83,7 +84,7 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
     runner = ModelRunner(path, max_context=options.max_context, threads=options.threads,
                          max_sequences=options.n_slots, kv_blocks=kv_blocks,
                          kv_dtype=np.float16 if options.kv_bits == 16 else np.float32,
-                         verify_checksums=options.verify_checksums)
+                         verify_checksums=options.verify_checksums, exact=options.exact)
     try:
         tokenizer = tokenizer_of(runner.base.pop_tokenizer())
         model_id = options.model_id or model_id_for(path)

@@ -94,16 +94,25 @@ class ModelRunner:
         kv_blocks: int | None = None,
         threads: int | None = None,
         verify_checksums: bool = True,
+        exact: bool | None = None,
     ):
         """Open and validate the model; raises ModelValidationError (one line) for a file that cannot serve:
-        malformed, a header that contradicts its tensors, or (with verify_checksums) a corrupted payload."""
+        malformed, a header that contradicts its tensors, or (with verify_checksums) a corrupted payload.
+        exact: quantized weights take the exact float32 path instead of 8-bit activations and integer dot products
+        (None: the process default, BASERT_EXACT or `--exact`)."""
+        self.exact = mm.get_exact() if exact is None else exact
         self.base = BaseFile(path, verify_checksums=verify_checksums)
+        default = mm.get_exact()
+        mm.set_exact(self.exact)
         try:
             self.model = build_model(self.base, max_context)
         except BaseException:
             self.base.close()
             raise
-        self.fingerprint = model_fingerprint(Path(path))
+        finally:
+            mm.set_exact(default)
+        # The numeric path is part of what a cached prefix or a saved slot was computed with.
+        self.fingerprint = model_fingerprint(Path(path)) + ("-exact" if self.exact else "")
         self.arch = self.base.arch
         self.config = self.model.config   # typed (models/config.py)
         self.max_context = max_context
