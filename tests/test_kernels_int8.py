@@ -1,14 +1,17 @@
-"""The integer path of quantized weights (matmul.h's contract): activations quantized to 8 bits per block of 32
-and integer dot products, against a numpy reference that performs the same integer sums and float32 operations, so
-the kernels must match it bit for bit on every CPU variant; then batch, thread and fused-call invariance, the
-tolerance against the exact float32 path, and which weights take which path."""
+"""The integer path of quantized weights (matmul.h's contract: base_q4 / base_q8 and the GGUF blocks Q4_K, Q5_K,
+Q6_K, Q5_0, Q5_1): activations quantized to 8 bits per block of 32 and integer dot products, against a numpy
+reference that performs the same integer sums and float32 operations, so the kernels must match it bit for bit on
+every CPU variant; then batch, thread and fused-call invariance, the tolerance against the exact float32 path, and
+which weights take which path."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import gguf
 import numpy as np
 import pytest
+from gguf_files import random_blocks
 
 from basert._ext import matmul as mm
 from basert.format.quant import QuantizedTensor, quantize, scale_values, unpack_q4
@@ -39,25 +42,81 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return codes.reshape(m, k), scale.astype(np.float32), sums
 
 
-def integer_reference(x: np.ndarray, q: QuantizedTensor) -> np.ndarray:
-    """out[M, N] by the integer contract: exact block sums, then (s * d) * I (+ (m * d) * S) summed in block order."""
+def base_ints(q: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A base weight's blocks as matmul.h reads them: integers w [N, K/32, 32], A and B [N, K/32] (B None without)."""
     n, k = q.shape
-    m, blocks = x.shape[0], k // 32
-    codes = (unpack_q4(q.packed) if q.dtype == "base_q4" else q.packed).reshape(n, blocks, 32).astype(np.int64)
+    blocks = k // 32
+    w = (unpack_q4(q.packed) if q.dtype == "base_q4" else q.packed).reshape(n, blocks, 32).astype(np.int64)
     if q.symmetric:
-        codes -= 8 if q.dtype == "base_q4" else 128
-    a, d, sums = quantize_activations(x)
-    a = a.reshape(m, blocks, 32).astype(np.int64)
-    block_sums = sums.reshape(m, blocks, 2).astype(np.int64).sum(axis=2).astype(np.float32)
-    dots = np.einsum("nbj,mbj->mnb", codes, a).astype(np.float32)
+        w -= 8 if q.dtype == "base_q4" else 128
     group_of = np.arange(blocks) * 32 // q.group_size
-    scales = scale_values(q.scales, q.scale_dtype).reshape(n, -1)[:, group_of]
-    biases = None if q.symmetric else scale_values(q.biases, q.scale_dtype).reshape(n, -1)[:, group_of]
-    out = np.zeros((m, n), dtype=np.float32)
-    for b in range(blocks):
-        t = (scales[None, :, b] * d[:, None, b]) * dots[:, :, b]
-        if biases is not None:
-            t = t + (biases[None, :, b] * d[:, None, b]) * block_sums[:, None, b]
+    a = scale_values(q.scales, q.scale_dtype).reshape(n, -1)[:, group_of]
+    b = None if q.symmetric else scale_values(q.biases, q.scale_dtype).reshape(n, -1)[:, group_of]
+    return w, a, b
+
+
+def f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view("<f2").astype(np.float32)[..., 0]
+
+
+def k_scale_min(sc: np.ndarray, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """The six-bit scale and min of sub-block s from the 12 packed bytes sc [..., 12] (Q4_K, Q5_K)."""
+    sc = sc.astype(np.int64)
+    if s < 4:
+        return sc[..., s] & 63, sc[..., 4 + s] & 63
+    return (sc[..., 4 + s] & 15) | ((sc[..., s - 4] >> 2) & 48), (sc[..., 4 + s] >> 4) | ((sc[..., s] >> 2) & 48)
+
+
+def gguf_ints(kind: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGUF blocks [N, row bytes] as matmul.h reads them: integers w [N, K/32, 32], A and B [N, K/32]."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    n = raw.shape[0]
+    blk = raw.reshape(n, k // size, nbytes)
+    j = np.arange(32)
+    if kind in ("Q5_0", "Q5_1"):
+        with_min = kind == "Q5_1"
+        qh = blk[..., 4 if with_min else 2:][..., :4].copy().view("<u4")[..., 0].astype(np.int64)
+        qs = blk[..., 8 if with_min else 6:].astype(np.int64)
+        u = ((qs[..., j & 15] >> (4 * (j >> 4))) & 15) | (((qh[..., None] >> j) & 1) << 4)
+        return (u if with_min else u - 16), f16(blk[..., 0:2]), f16(blk[..., 2:4]) if with_min else None
+    w = np.zeros((n, k // 256, 8, 32), dtype=np.int64)
+    a = np.zeros((n, k // 256, 8), dtype=np.float32)
+    b = np.zeros((n, k // 256, 8), dtype=np.float32)
+    for sub in range(8):
+        if kind in ("Q4_K", "Q5_K"):
+            five = kind == "Q5_K"
+            qs = blk[..., (48 if five else 16) + 32 * (sub >> 1):][..., :32].astype(np.int64)
+            u = (qs >> (4 * (sub & 1))) & 15
+            if five:
+                u |= ((blk[..., 16:48].astype(np.int64) >> sub) & 1) << 4
+            scale, low = k_scale_min(blk[..., 4:16], sub)
+            w[:, :, sub] = u
+            a[:, :, sub] = f16(blk[..., 0:2]) * scale.astype(np.float32)
+            b[:, :, sub] = -(f16(blk[..., 2:4]) * low.astype(np.float32))
+        else:  # Q6_K
+            h, t = sub >> 2, sub & 3
+            low = (blk[..., 64 * h + 32 * (t & 1):][..., :32].astype(np.int64) >> (4 * (t >> 1))) & 15
+            high = (blk[..., 128 + 32 * h:][..., :32].astype(np.int64) >> (2 * t)) & 3
+            scales = blk[..., 192 + 2 * sub:194 + 2 * sub].view(np.int8).astype(np.int64)
+            w[:, :, sub] = scales[..., j >> 4] * ((low | (high << 4)) - 32)
+            a[:, :, sub] = f16(blk[..., 208:210])
+    return (w.reshape(n, k // 32, 32), a.reshape(n, -1),
+            None if kind == "Q6_K" else b.reshape(n, -1))
+
+
+def integer_reference(x: np.ndarray, w: np.ndarray, a: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """out[M, N] by the integer contract: exact block sums I, then (A * d) * I (+ (B * d) * S) summed in block order."""
+    m, blocks = x.shape[0], w.shape[1]
+    q, d, sums = quantize_activations(x)
+    q = q.reshape(m, blocks, 32).astype(np.int64)
+    block_sums = sums.reshape(m, blocks, 2).astype(np.int64).sum(axis=2).astype(np.float32)
+    dots = np.einsum("nbj,mbj->mnb", w, q).astype(np.float32)
+    out = np.zeros((m, w.shape[0]), dtype=np.float32)
+    for i in range(blocks):
+        t = (a[None, :, i] * d[:, None, i]) * dots[:, :, i]
+        if b is not None:
+            t = t + (b[None, :, i] * d[:, None, i]) * block_sums[:, None, i]
         out = out + t
     return out
 
@@ -120,7 +179,7 @@ def test_integer_path_matches_the_reference_bit_for_bit(case: tuple[str, int, bo
         assert weight.int8
         x = activations(max(M_VALUES), k, seed=k)
         out = run(x, weight)
-        want = integer_reference(x, q)
+        want = integer_reference(x, *base_ints(q))
         for m in M_VALUES:
             # Every batch size: the rows of a smaller batch are the same bits as in the largest.
             assert same_bits(run(x[:m], weight), want[:m]), f"K={k} M={m}"
@@ -143,6 +202,35 @@ def test_rows_do_not_depend_on_threads_or_fused_calls(case: tuple[str, int, bool
         for other in alone[1:]:
             for a, b in zip(alone[0], other):
                 assert same_bits(a, b)
+
+
+GGUF_KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+
+
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+def test_gguf_blocks_read_as_integers_give_gguf_pys_values(kind: str) -> None:
+    """The reference's reading of the blocks (A * w + B) is the blocks' values (as gguf-py de-quantizes them)."""
+    rng = np.random.default_rng(5)
+    k = 512
+    raw = random_blocks(rng, gguf.GGMLQuantizationType[kind], 6, k)
+    w, a, b = gguf_ints(kind, raw, k)
+    values = a[..., None] * w.astype(np.float32) + (0 if b is None else b[..., None])
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(6, k // 32, 32)
+    assert np.allclose(values, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("n", (1, 8, 21))
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+def test_gguf_blocks_on_the_integer_path_match_the_reference_bit_for_bit(kind: str, n: int) -> None:
+    rng = np.random.default_rng(n)
+    for k in ((256, 768) if kind.endswith("_K") else (32, 96, 800)):
+        raw = random_blocks(rng, gguf.GGMLQuantizationType[kind], n, k)
+        weight = mm.Weight(kind, n, k, raw.reshape(-1), exact=False)
+        assert weight.int8
+        x = activations(max(M_VALUES), k, seed=k)
+        want = integer_reference(x, *gguf_ints(kind, raw, k))
+        for m in M_VALUES:
+            assert same_bits(run(x[:m], weight), want[:m]), f"K={k} M={m}"
 
 
 def test_fused_call_mixes_integer_and_float_weights() -> None:

@@ -342,7 +342,7 @@ def test_gguf_blocks_compute_with_gguf_pys_values(kind: str, threads: None) -> N
     n, k = 37, 3 * values if values == 256 else 9 * values
     rng = np.random.default_rng(mm.BLOCK_KINDS[kind])
     raw = random_blocks(rng, qtype, n, k)
-    weight = mm.Weight(kind, n, k, readonly(raw.reshape(-1)))
+    weight = mm.Weight(kind, n, k, readonly(raw.reshape(-1)), exact=True)
     assert (weight.kind, weight.group_size) == (kind, values)
     reference = gguf.quants.dequantize(raw, qtype).astype(np.float32)
     as_f32 = mm.Weight("f32", n, k, readonly(reference.reshape(-1).view(np.uint8)))

@@ -73,13 +73,15 @@ void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx, ptrdif
  *
  * An activation row is quantized once per block of 32 values (basert_quantize_rows): d = amax / 127 with amax the
  * largest |x| of the block, q = rint(clamp(x * (1 / d), -127, 127)) (nearest, ties to even; 1 / d taken as 0 when
- * d = 0), and the sum of every 16 codes kept beside them. A weight row whose values are s * u + m in groups of 32,
- * 64 or 128 (u its code, s and m the group's scale and bias; m = 0 and u - 2^(bits-1) in place of u when symmetric)
+ * d = 0), and the sum of every 16 codes kept beside them. Every weight block of 32 values is read as A * w + B with
+ * integer w: base_q4 / base_q8 in groups of 32, 64 or 128: A the group's scale, w the code u (u - 2^(bits-1) when
+ * symmetric), B its bias; Q4_K / Q5_K: A = d * scale and B = -(dmin * min) of the sub-block, w = u; Q6_K: A = d,
+ * w = scale * (u - 32) with the scale of each 16 values; Q5_0: A = d, w = u - 16; Q5_1: A = d, w = u, B = m. It
  * meets an activation row block by block:
  *
- *     I = sum over the block of u * q                  an exact integer, however it is computed
- *     t = (s * d) * float(I)                           symmetric
- *     t = (s * d) * float(I) + (m * d) * float(S)      with biases; S is the sum of the block's 32 codes
+ *     I = sum over the block of w * q                  an exact integer, however it is computed
+ *     t = (A * d) * float(I)                           without B
+ *     t = (A * d) * float(I) + (B * d) * float(S)      with B; S is the sum of the block's 32 codes
  *     out = ((t_0 + t_1) + t_2) + ...                  in block order
  *
  * each product and sum a float32 operation of its own (no FMA). The integer sums are exact whichever instructions,
@@ -90,8 +92,12 @@ void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx, ptrdif
 
 static inline ptrdiff_t basert_qrow_bytes(ptrdiff_t k) { return (k + k / 8 + k / 8 + 63) & ~(ptrdiff_t)63; }
 
-/* Whether the weight can take the integer path: base_q4 / base_q8 with groups of a multiple of 32. */
+/* Whether the weight can take the integer path: base_q4 / base_q8 with groups of a multiple of 32, and the GGUF
+ * blocks Q4_K, Q5_K, Q6_K, Q5_0, Q5_1. */
 static inline int basert_int8_capable(const basert_weight *w) {
+    if (w->kind == BASERT_BLOCKS)
+        return w->ggml_type == BASERT_GGML_Q4_K || w->ggml_type == BASERT_GGML_Q5_K || w->ggml_type == BASERT_GGML_Q6_K ||
+               w->ggml_type == BASERT_GGML_Q5_0 || w->ggml_type == BASERT_GGML_Q5_1;
     return (w->kind == BASERT_Q4 || w->kind == BASERT_Q8) && w->group_size % 32 == 0;
 }
 

@@ -1,7 +1,8 @@
-/* 8-bit activations and the integer dot products of base_q4 / base_q8 weights (matmul.h states the contract).
+/* 8-bit activations and the integer dot products of quantized weights (matmul.h states the contract): base_q4 /
+ * base_q8, and the GGUF blocks Q4_K, Q5_K, Q6_K, Q5_0, Q5_1.
  *
- * SIMD variants: eight weight rows at a time; each row's 32 codes of a block meet an activation block in one
- * maddubs + madd (q8 codes as signed bytes, with the sign moved onto the activations), the eight rows' partial sums
+ * SIMD variants: eight weight rows at a time; each row's 32 integers of a block meet an activation block in one
+ * maddubs + madd (signed weights with their sign moved onto the activations; Q6_K's scales as madd's multipliers), the eight rows' partial sums
  * are folded into one vector of eight exact block sums (lane r: weight row r), and the float operations run on
  * those eight rows at once. The portable variant computes the same integers and float operations row by row. */
 #include <math.h>
@@ -99,8 +100,70 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
 
 /* ---- the kernels ---- */
 
-/* Offset of a symmetric code: u - 8 (q4) or u - 128 (q8) is the signed value. */
+/* Offset of a symmetric base code: u - 8 (q4) or u - 128 (q8) is the signed value. */
 static inline int bq_offset(const int kind) { return kind == BASERT_Q4 ? 8 : 128; }
+
+/* Whether the weight's blocks have a B term (matmul.h): base kinds with biases, Q4_K, Q5_K, Q5_1. */
+static inline int bq_has_bias(const int kind, const int type, const int sym) {
+    if (kind != BASERT_BLOCKS) return !sym;
+    return type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K || type == BASERT_GGML_Q5_1;
+}
+
+/* Where 32-value block b of a GGUF row starts, and which 32 of its block (sub, 0..7 for 256-value blocks) it is. */
+static inline const uint8_t *bq_gguf_block(const int type, const uint8_t *row, ptrdiff_t b, int *sub) {
+    if (basert_block_values(type) == 256) {
+        *sub = (int)(b & 7);
+        return row + (b >> 3) * basert_block_bytes(type);
+    }
+    *sub = 0;
+    return row + b * basert_block_bytes(type);
+}
+
+/* A and B (matmul.h) of 32-value block b of a GGUF row. */
+static inline void bq_gguf_scales(const int type, const uint8_t *row, ptrdiff_t b, float *a, float *bias) {
+    int sub;
+    const uint8_t *blk = bq_gguf_block(type, row, b, &sub);
+    switch (type) {
+    case BASERT_GGML_Q4_K:
+    case BASERT_GGML_Q5_K: {
+        int scale, min;
+        basert_k_scale_min(blk + 4, sub, &scale, &min);
+        *a = basert_block_f16(blk) * (float)scale;
+        *bias = -(basert_block_f16(blk + 2) * (float)min);
+        break;
+    }
+    case BASERT_GGML_Q6_K: *a = basert_block_f16(blk + 208); *bias = 0.0f; break;
+    case BASERT_GGML_Q5_1: *a = basert_block_f16(blk); *bias = basert_block_f16(blk + 2); break;
+    default: *a = basert_block_f16(blk); *bias = 0.0f; break;
+    }
+}
+
+#if !defined(BASERT_SIMD)
+/* The integers w of 32-value block b of a GGUF row (matmul.h). */
+static inline void bq_gguf_ints(const int type, const uint8_t *row, ptrdiff_t b, int *w) {
+    int sub;
+    const uint8_t *blk = bq_gguf_block(type, row, b, &sub);
+    for (int j = 0; j < 32; j++) {
+        if (type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K) {
+            const int five = type == BASERT_GGML_Q5_K;
+            const uint8_t *qs = blk + (five ? 48 : 16) + 32 * (sub >> 1);
+            int u = (qs[j] >> (4 * (sub & 1))) & 15;
+            if (five) u |= ((blk[16 + j] >> sub) & 1) << 4;
+            w[j] = u;
+        } else if (type == BASERT_GGML_Q6_K) {
+            const int h = sub >> 2, t = sub & 3;
+            const int low = (blk[64 * h + 32 * (t & 1) + j] >> (4 * (t >> 1))) & 15, high = (blk[128 + 32 * h + j] >> (2 * t)) & 3;
+            w[j] = (int)(int8_t)blk[192 + 2 * sub + (j >> 4)] * ((low | (high << 4)) - 32);
+        } else {
+            const int with_min = type == BASERT_GGML_Q5_1;
+            const uint8_t *qh = blk + (with_min ? 4 : 2), *qs = qh + 4;
+            const uint32_t high = (uint32_t)qh[0] | ((uint32_t)qh[1] << 8) | ((uint32_t)qh[2] << 16) | ((uint32_t)qh[3] << 24);
+            const int u = ((qs[j & 15] >> (4 * (j >> 4))) & 15) | (int)(((high >> j) & 1u) << 4);
+            w[j] = with_min ? u : u - 16;
+        }
+    }
+}
+#endif
 
 #if defined(BASERT_SIMD)
 /* The 32 codes of a q4 block (16 bytes: element 2i in the low nibble of byte i, 2i+1 in the high one) as bytes
@@ -112,19 +175,65 @@ BASERT_ALWAYS_INLINE __m256i bq_q4_codes(const uint8_t *p) {
                            _mm256_and_si256(_mm256_slli_epi16(v, 4), _mm256_set1_epi16(0x0F00)));
 }
 
-/* A block's weight operand: q4 codes (0..15) as they are; q8 codes as signed bytes u - 128. */
-BASERT_ALWAYS_INLINE __m256i bq_weights(const int kind, const uint8_t *row, ptrdiff_t b) {
-    if (kind == BASERT_Q4) return bq_q4_codes(row + 16 * b);
-    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)(row + 32 * b)), _mm256_set1_epi8((char)0x80));
+BASERT_ALWAYS_INLINE __m256i bq_load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)(const void *)p); }
+
+/* Bytes p[0..32) shifted right by `shift` bits, masked to `mask`. */
+BASERT_ALWAYS_INLINE __m256i bq_bits32(const uint8_t *p, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srl_epi16(bq_load32(p), _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
 }
 
-/* Eight partial sums (32-bit lanes) of the block's products: sum u * q for q4, sum (u - 128) * q for q8 (maddubs
- * multiplies unsigned by signed bytes: |u - 128| by q with the sign of u - 128, each pair sum at most
- * 2 * 128 * 127 in magnitude, so nothing saturates). */
-BASERT_ALWAYS_INLINE __m256i bq_dot(const int kind, __m256i w, __m256i a) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (kind == BASERT_Q4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w)), ones);
+/* Q5_0 / Q5_1: the 5-bit codes of a block (low nibbles of qs: elements 0-15, high nibbles: 16-31; bit j of qh the
+ * fifth bit of element j). */
+BASERT_ALWAYS_INLINE __m256i bq_q5_codes(const uint8_t *qh, const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)qs), mask = _mm_set1_epi8(15);
+    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+    uint32_t bits;
+    memcpy(&bits, qh, sizeof bits);
+    /* Byte j gets qh's byte j / 8, then its bit j % 8. */
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
+/* A block's weight operand: the bytes w (signed where bq_signed) and the 16-bit multipliers of its pairs of products
+ * (ones, or Q6_K's scale of each 16 values). q8 codes become u - 128, Q6_K's u - 32, Q5_0's u - 16. */
+BASERT_ALWAYS_INLINE int bq_signed(const int kind, const int type) {
+    return kind == BASERT_Q8 || (kind == BASERT_BLOCKS && (type == BASERT_GGML_Q6_K || type == BASERT_GGML_Q5_0));
+}
+
+BASERT_ALWAYS_INLINE __m256i bq_weights(const int kind, const int type, const uint8_t *row, ptrdiff_t b, __m256i *mul) {
+    *mul = _mm256_set1_epi16(1);
+    if (kind == BASERT_Q4) return bq_q4_codes(row + 16 * b);
+    if (kind == BASERT_Q8) return _mm256_xor_si256(bq_load32(row + 32 * b), _mm256_set1_epi8((char)0x80));
+    int sub;
+    const uint8_t *blk = bq_gguf_block(type, row, b, &sub);
+    if (type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K) {
+        const int five = type == BASERT_GGML_Q5_K;
+        __m256i u = bq_bits32(blk + (five ? 48 : 16) + 32 * (sub >> 1), 4 * (sub & 1), 15);
+        if (five) u = _mm256_or_si256(u, _mm256_slli_epi16(bq_bits32(blk + 16, sub, 1), 4));
+        return u;
+    }
+    if (type == BASERT_GGML_Q6_K) {
+        const int h = sub >> 2, t = sub & 3;
+        const __m256i low = bq_bits32(blk + 64 * h + 32 * (t & 1), 4 * (t >> 1), 15);
+        const __m256i high = _mm256_slli_epi16(bq_bits32(blk + 128 + 32 * h, 2 * t, 3), 4);
+        const int8_t *scales = (const int8_t *)(const void *)(blk + 192 + 2 * sub);
+        *mul = _mm256_set_m128i(_mm_set1_epi16(scales[1]), _mm_set1_epi16(scales[0]));
+        return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+    }
+    const int with_min = type == BASERT_GGML_Q5_1;
+    const __m256i u = bq_q5_codes(blk + (with_min ? 4 : 2), blk + (with_min ? 8 : 6));
+    return with_min ? u : _mm256_sub_epi8(u, _mm256_set1_epi8(16));
+}
+
+/* Eight partial sums (32-bit lanes) of the block's products w * q, each pair of products times its multiplier.
+ * Signed weights go through maddubs as |w| times q with the sign of w (each pair sum at most 2 * 128 * 127 in
+ * magnitude, so nothing saturates; unsigned codes are at most 31). */
+BASERT_ALWAYS_INLINE __m256i bq_dot(const int sgn, __m256i w, __m256i mul, __m256i a) {
+    if (sgn) return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w)), mul);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), mul);
 }
 
 /* Lane r = the sum of the eight lanes of p[r]. */
@@ -155,7 +264,7 @@ BASERT_ALWAYS_INLINE void bq_transpose8(__m256 *v) {
 }
 
 /* out[j][r] = the scale (or bias) of group g0 + j of weight row r, j < gn (at most 8), from bits laid out
- * [row][group] (`groups` per row); rows beyond the weight's last repeat `first`. */
+ * [row][group] (`groups` per row). */
 BASERT_ALWAYS_INLINE void bq_group_run(const uint16_t *bits, const ptrdiff_t *rows, ptrdiff_t groups, ptrdiff_t g0, ptrdiff_t gn,
                                        int bf16, __m256 *out) {
     if (gn == 8) {
@@ -172,11 +281,25 @@ BASERT_ALWAYS_INLINE void bq_group_run(const uint16_t *bits, const ptrdiff_t *ro
     for (ptrdiff_t j = 0; j < gn; j++) out[j] = _mm256_loadu_ps(tmp[j]);
 }
 
-/* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C (1..4) activation records qx + c * rb. */
-BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int sym, const basert_weight *w, ptrdiff_t row, int R,
-                                   const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
-    const ptrdiff_t k = w->k, blocks = k / 32, groups = k / w->group_size, per_group = w->group_size / 32;
-    const ptrdiff_t block_bytes = kind == BASERT_Q4 ? 16 : 32;
+/* The A and B (matmul.h) of blocks b0 .. b0 + gn of eight GGUF rows: a[j][r], bias[j][r]. */
+BASERT_ALWAYS_INLINE void bq_gguf_run(const int type, const uint8_t *const *p, ptrdiff_t b0, ptrdiff_t gn, __m256 *a, __m256 *bias) {
+    float ta[8][BQ_ROWS], tb[8][BQ_ROWS];
+    for (int r = 0; r < BQ_ROWS; r++)
+        for (ptrdiff_t j = 0; j < gn; j++) bq_gguf_scales(type, p[r], b0 + j, &ta[j][r], &tb[j][r]);
+    for (ptrdiff_t j = 0; j < gn; j++) {
+        a[j] = _mm256_loadu_ps(ta[j]);
+        bias[j] = _mm256_loadu_ps(tb[j]);
+    }
+}
+
+/* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C (1..4) activation records qx + c * rb. kind,
+ * type (GGUF blocks) and sym are constants of each instance. */
+BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, const int sym, const basert_weight *w,
+                                   ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
+    const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym), sgn = bq_signed(kind, type);
+    const ptrdiff_t k = w->k, blocks = k / 32, per_group = gguf ? 1 : w->group_size / 32, groups = blocks / per_group;
+    const ptrdiff_t line_blocks = gguf ? 1 : kind == BASERT_Q4 ? 4 : 2; /* blocks per cache line of codes */
+    const ptrdiff_t block_bytes = gguf ? basert_block_bytes(type) / (basert_block_values(type) / 32) : kind == BASERT_Q4 ? 16 : 32;
     const uint8_t *p[BQ_ROWS];
     ptrdiff_t rows[BQ_ROWS];
     for (int r = 0; r < BQ_ROWS; r++) {
@@ -198,26 +321,31 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int sym, c
         const ptrdiff_t g = b / per_group;
         if (b % (8 * per_group) == 0) {
             const ptrdiff_t gn = groups - g < 8 ? groups - g : 8;
-            bq_group_run(w->scales, rows, groups, g, gn, w->bf16_scales, scale);
-            if (!sym) bq_group_run(w->biases, rows, groups, g, gn, w->bf16_scales, bias);
+            if (gguf) {
+                bq_gguf_run(type, p, g, gn, scale, bias);
+            } else {
+                bq_group_run(w->scales, rows, groups, g, gn, w->bf16_scales, scale);
+                if (has_bias) bq_group_run(w->biases, rows, groups, g, gn, w->bf16_scales, bias);
+            }
         }
-        if (((b * block_bytes) & 63) == 0)
+        if (b % line_blocks == 0)
             for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + b * block_bytes + 2048);
-        __m256i wv[BQ_ROWS];
-        for (int r = 0; r < BQ_ROWS; r++) wv[r] = bq_weights(kind, p[r], b);
+        __m256i wv[BQ_ROWS], mul[BQ_ROWS];
+        for (int r = 0; r < BQ_ROWS; r++) wv[r] = bq_weights(kind, type, p[r], b, &mul[r]);
         const __m256 sv = scale[g % 8];
         for (int c = 0; c < C; c++) {
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)(q[c] + 32 * b));
+            const __m256i a = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b));
             __m256i part[BQ_ROWS];
-            for (int r = 0; r < BQ_ROWS; r++) part[r] = bq_dot(kind, wv[r], a);
+            for (int r = 0; r < BQ_ROWS; r++) part[r] = bq_dot(sgn, wv[r], mul[r], a);
             __m256i total = bq_sum8(part);
             const int sum = s[c][2 * b] + s[c][2 * b + 1];
-            /* q4 gave sum u * q: symmetric takes 8 * S off. q8 gave sum (u - 128) * q: with biases, 128 * S goes back. */
+            /* base q4 gave sum u * q: symmetric takes 8 * S off. q8 gave sum (u - 128) * q: with biases, 128 * S goes
+             * back. */
             if (kind == BASERT_Q4 && sym) total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * sum));
             if (kind == BASERT_Q8 && !sym) total = _mm256_add_epi32(total, _mm256_set1_epi32(128 * sum));
             const __m256 dv = _mm256_set1_ps(d[c][b]);
             __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(total));
-            if (!sym) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bias[g % 8], dv), _mm256_set1_ps((float)sum)));
+            if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bias[g % 8], dv), _mm256_set1_ps((float)sum)));
             acc[c] = _mm256_add_ps(acc[c], t);
         }
     }
@@ -233,28 +361,38 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int sym, c
 }
 #else
 /* Portable: one weight row against C activation rows, the same integers and float operations. */
-static inline void bq_block(const int C, const int kind, const int sym, const basert_weight *w, ptrdiff_t row, int R,
-                            const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
-    const ptrdiff_t k = w->k, groups = k / w->group_size, per_group = w->group_size / 32;
+static inline void bq_block(const int C, const int kind, const int type, const int sym, const basert_weight *w,
+                            ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
+    const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym);
+    const ptrdiff_t k = w->k, groups = gguf ? 0 : k / w->group_size, per_group = gguf ? 1 : w->group_size / 32;
     for (int r = 0; r < R; r++) {
         const uint8_t *p = w->data + (row + r) * w->row_bytes;
-        const uint16_t *sp = w->scales + (row + r) * groups, *bp = sym ? NULL : w->biases + (row + r) * groups;
+        const uint16_t *sp = gguf ? NULL : w->scales + (row + r) * groups;
+        const uint16_t *bp = gguf || sym ? NULL : w->biases + (row + r) * groups;
         for (int c = 0; c < C; c++) {
             const int8_t *q = bq_codes(qx + c * rb);
             const float *d = bq_scales(qx + c * rb, k);
             const int16_t *s = bq_sums(qx + c * rb, k);
             float acc = 0.0f;
             for (ptrdiff_t b = 0; b < k / 32; b++) {
-                int total = 0;
-                for (int j = 0; j < 32; j++) {
-                    const ptrdiff_t e = 32 * b + j;
-                    const int u = kind == BASERT_Q4 ? (p[e >> 1] >> (4 * (e & 1))) & 15 : p[e];
-                    total += (sym ? u - bq_offset(kind) : u) * q[e];
+                int ints[32], total = 0;
+                float a, bias;
+                if (gguf) {
+                    bq_gguf_ints(type, p, b, ints);
+                    bq_gguf_scales(type, p, b, &a, &bias);
+                } else {
+                    for (int j = 0; j < 32; j++) {
+                        const ptrdiff_t e = 32 * b + j;
+                        const int u = kind == BASERT_Q4 ? (p[e >> 1] >> (4 * (e & 1))) & 15 : p[e];
+                        ints[j] = sym ? u - bq_offset(kind) : u;
+                    }
+                    a = bq_scale_f32(sp[b / per_group], w->bf16_scales);
+                    bias = sym ? 0.0f : bq_scale_f32(bp[b / per_group], w->bf16_scales);
                 }
+                for (int j = 0; j < 32; j++) total += ints[j] * q[32 * b + j];
                 const int sum = s[2 * b] + s[2 * b + 1];
-                const ptrdiff_t g = b / per_group;
-                float t = (bq_scale_f32(sp[g], w->bf16_scales) * d[b]) * (float)total;
-                if (!sym) t = t + (bq_scale_f32(bp[g], w->bf16_scales) * d[b]) * (float)sum;
+                float t = (a * d[b]) * (float)total;
+                if (has_bias) t = t + (bias * d[b]) * (float)sum;
                 acc = acc + t;
             }
             y[c * ldy + row + r] = acc;
@@ -265,30 +403,51 @@ static inline void bq_block(const int C, const int kind, const int sym, const ba
 
 /* Weight rows r0..r1 against activation rows c0..c1: blocks of BQ_ROWS rows, each against BQ_COLS activation rows at
  * a time (the codes of the block of rows stay in L1 meanwhile). */
-BASERT_ALWAYS_INLINE void bq_rows(const int kind, const int sym, const basert_weight *w, const uint8_t *qx, ptrdiff_t rb,
-                                  ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
+BASERT_ALWAYS_INLINE void bq_rows(const int kind, const int type, const int sym, const basert_weight *w, const uint8_t *qx,
+                                  ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
         const int R = r1 - row < BQ_ROWS ? (int)(r1 - row) : BQ_ROWS;
         ptrdiff_t c = c0;
-        for (; c + BQ_COLS <= c1; c += BQ_COLS) bq_block(BQ_COLS, kind, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy);
+        for (; c + BQ_COLS <= c1; c += BQ_COLS) bq_block(BQ_COLS, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy);
         switch (c1 - c) {
-        case 3: bq_block(3, kind, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
-        case 2: bq_block(2, kind, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
-        case 1: bq_block(1, kind, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
+        case 3: bq_block(3, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
+        case 2: bq_block(2, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
+        case 1: bq_block(1, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
         default: break;
         }
     }
 }
 
-#define BQ_KERNEL(name, kind, sym)                                                                                        \
-    static void name(const basert_weight *w, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0,   \
-                     ptrdiff_t r1, float *y, ptrdiff_t ldy) {                                                            \
-        bq_rows(kind, sym, w, qx, rb, c0, c1, r0, r1, y, ldy);                                                            \
+typedef void (*bq_kernel)(const basert_weight *, const uint8_t *, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                          float *, ptrdiff_t);
+
+#define BQ_KERNEL(name, kind, type, sym)                                                                                 \
+    static void name(const basert_weight *w, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0,  \
+                     ptrdiff_t r1, float *y, ptrdiff_t ldy) {                                                           \
+        bq_rows(kind, type, sym, w, qx, rb, c0, c1, r0, r1, y, ldy);                                                     \
     }
-BQ_KERNEL(bq_q4_sym, BASERT_Q4, 1)
-BQ_KERNEL(bq_q4_asym, BASERT_Q4, 0)
-BQ_KERNEL(bq_q8_sym, BASERT_Q8, 1)
-BQ_KERNEL(bq_q8_asym, BASERT_Q8, 0)
+BQ_KERNEL(bq_q4_sym, BASERT_Q4, 0, 1)
+BQ_KERNEL(bq_q4_asym, BASERT_Q4, 0, 0)
+BQ_KERNEL(bq_q8_sym, BASERT_Q8, 0, 1)
+BQ_KERNEL(bq_q8_asym, BASERT_Q8, 0, 0)
+BQ_KERNEL(bq_q4_k, BASERT_BLOCKS, BASERT_GGML_Q4_K, 0)
+BQ_KERNEL(bq_q5_k, BASERT_BLOCKS, BASERT_GGML_Q5_K, 0)
+BQ_KERNEL(bq_q6_k, BASERT_BLOCKS, BASERT_GGML_Q6_K, 0)
+BQ_KERNEL(bq_q5_0, BASERT_BLOCKS, BASERT_GGML_Q5_0, 0)
+BQ_KERNEL(bq_q5_1, BASERT_BLOCKS, BASERT_GGML_Q5_1, 0)
+
+static bq_kernel bq_kernel_of(const basert_weight *w) {
+    const int sym = w->biases == NULL;
+    if (w->kind == BASERT_Q4) return sym ? bq_q4_sym : bq_q4_asym;
+    if (w->kind == BASERT_Q8) return sym ? bq_q8_sym : bq_q8_asym;
+    switch (w->ggml_type) {
+    case BASERT_GGML_Q4_K: return bq_q4_k;
+    case BASERT_GGML_Q5_K: return bq_q5_k;
+    case BASERT_GGML_Q6_K: return bq_q6_k;
+    case BASERT_GGML_Q5_0: return bq_q5_0;
+    default: return bq_q5_1;
+    }
+}
 
 /* Activation rows per pass over the weight rows: about 64 KiB of records, so that they stay in L2 while every
  * weight row streams past them once. */
@@ -299,9 +458,7 @@ static ptrdiff_t bq_cols_per_pass(ptrdiff_t rb) {
 
 void basert_qmatmul(const basert_weight *w, const uint8_t *qx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     if (m < 1 || r0 >= r1) return;
-    const int sym = w->biases == NULL;
-    void (*run)(const basert_weight *, const uint8_t *, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t) =
-        w->kind == BASERT_Q4 ? (sym ? bq_q4_sym : bq_q4_asym) : (sym ? bq_q8_sym : bq_q8_asym);
+    const bq_kernel run = bq_kernel_of(w);
     const ptrdiff_t rb = basert_qrow_bytes(w->k), per = bq_cols_per_pass(rb);
     for (ptrdiff_t c0 = 0; c0 < m; c0 += per) run(w, qx, rb, c0, c0 + per < m ? c0 + per : m, r0, r1, y, ldy);
 }
