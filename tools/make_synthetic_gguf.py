@@ -7,7 +7,7 @@ Every weight matrix holds random normal values (standard deviation 0.02) quantiz
 the output head is tied to the embeddings, and the norms are float32 ones. The tensors are written one at a time,
 each reported on stderr as it is.
 
-  python tools/make_random_gguf.py /tmp/llama-1b-random.gguf
+  python tools/make_synthetic_gguf.py /tmp/llama-1b-random.gguf
   basert convert /tmp/llama-1b-random.gguf -o /tmp/llama-1b-random.base
   basert bench /tmp/llama-1b-random.base -p 512 -n 128 -t 2
 """
