@@ -122,6 +122,34 @@ def gemma3_base(gemma3_gguf: Path) -> Path:
     return out
 
 
+def header_edited_copy(source: Path, out: Path, edit) -> Path:
+    """A copy of the .base file `source` at `out` whose JSON header `edit(header)` rewrote in place: the new header
+    is padded with spaces to the old length, so the payloads keep their offsets."""
+    import json
+    import shutil
+    import struct
+
+    shutil.copyfile(source, out)
+    with open(out, "r+b") as f:
+        (header_len,) = struct.unpack_from("<Q", f.read(16), 8)
+        header = json.loads(f.read(header_len))
+        edit(header)
+        encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
+        assert len(encoded) <= header_len
+        f.seek(16)
+        f.write(encoded + b" " * (header_len - len(encoded)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def gemma3_ids_base(gemma3_base: Path) -> Path:
+    """Gemma 3 270M as `gemma3_base`, the same config and tensors, stored without its tokenizer: for engine checks
+    that send token ids and read token ids back, where each engine would otherwise spend about 3 s building the
+    262,144-token tokenizer it never uses."""
+    return header_edited_copy(gemma3_base, gemma3_base.with_name("gemma3-ids.base"),
+                              lambda header: header.update(tokenizer={"tokenizer_type": "none"}))
+
+
 @pytest.fixture(scope="session")
 def smollm2_base(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
     """SmolLM2-135M-Instruct converted losslessly from its Q4_1 GGUF."""

@@ -53,26 +53,33 @@ def prompts(vocab: int, shared: int = 100, suffix: int = 9, n: int = 4) -> list[
     return [prefix + rng.integers(0, vocab, suffix + i).tolist() for i in range(n)]
 
 
-# Gemma 3 here is slow (a 262,144-token head): its fast isolation checks are in test_gemma3.py.
+# Gemma 3 here is slow (a 262,144-token head): its fast isolation checks are in test_gemma3.py. These checks send
+# and read token ids: Gemma is the copy stored without its tokenizer, which each engine would spend 3 s building.
 @pytest.fixture(params=["smollm2", pytest.param("gemma3", marks=pytest.mark.slow), "qwen3_5-tiny"])
 def model_path(request, smollm2_base: Path, tiny_f32_bases: dict[str, Path]) -> Path:
     if request.param == "gemma3":
-        return request.getfixturevalue("gemma3_base")
+        return request.getfixturevalue("gemma3_ids_base")
     return smollm2_base if request.param == "smollm2" else tiny_f32_bases[request.param]
 
 
+@pytest.fixture(scope="module")
+def fresh_answers() -> dict[tuple[str, tuple[int, ...]], list[int]]:
+    """Tokens of prompts on a fresh engine, by (model, prompt): a fresh engine's answer to a prompt is the same
+    whichever test asks, so the tests that send the same prompts share one fresh run of each."""
+    return {}
+
+
 @pytest.fixture
-def fresh(model_path: Path):
+def fresh(model_path: Path, fresh_answers: dict):
     """Each prompt's tokens on a fresh engine."""
-    cache: dict[tuple[int, ...], list[int]] = {}
 
     def answer(prompt: list[int]) -> list[int]:
-        key = tuple(prompt)
-        if key not in cache:
+        key = (str(model_path), tuple(prompt))
+        if key not in fresh_answers:
             engine = make_engine(model_path)
-            cache[key] = run(engine, [[request("fresh", prompt)]])["fresh"][0]
+            fresh_answers[key] = run(engine, [[request("fresh", prompt)]])["fresh"][0]
             engine.close()
-        return cache[key]
+        return fresh_answers[key]
     return answer
 
 

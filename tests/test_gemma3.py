@@ -189,19 +189,19 @@ def generate(engine, prompts: dict[str, list[int]], n: int = 8) -> dict[str, tup
 
 
 @pytest.mark.slow
-def test_prefix_cache_and_batching_beyond_the_window_equal_a_fresh_engine(gemma3_base: Path) -> None:
+def test_prefix_cache_and_batching_beyond_the_window_equal_a_fresh_engine(gemma3_ids_base: Path) -> None:
     """A 900-token shared prefix: requests that reuse it from the cache, beside each other, answer as a fresh
-    engine without the cache answers each alone."""
+    engine without the cache answers each alone (token ids in and out: the model stored without its tokenizer)."""
     rng = np.random.default_rng(6)
     shared = rng.integers(0, 262_144, 900).tolist()
     prompts = {f"r{i}": shared + rng.integers(0, 262_144, 5 + i).tolist() for i in range(3)}
     fresh = {}
     for rid, prompt in prompts.items():
-        engine = build_engine(gemma3_base, EngineOptions(max_context=1024, prefix_cache=False))
+        engine = build_engine(gemma3_ids_base, EngineOptions(max_context=1024, prefix_cache=False))
         fresh[rid] = generate(engine, {rid: prompt})[rid][0]
         engine.close()
-    engine = build_engine(gemma3_base, EngineOptions(max_context=1024, n_slots=3, continuous_batching=True,
-                                                     prefix_cache=True))
+    engine = build_engine(gemma3_ids_base, EngineOptions(max_context=1024, n_slots=3, continuous_batching=True,
+                                                         prefix_cache=True))
     first = generate(engine, {"r0": prompts["r0"]})
     rest = generate(engine, {rid: prompts[rid] for rid in ("r1", "r2")})
     engine.close()
@@ -213,21 +213,22 @@ def test_prefix_cache_and_batching_beyond_the_window_equal_a_fresh_engine(gemma3
 
 
 @pytest.mark.slow
-def test_a_restored_slot_beyond_the_window_continues_as_a_fresh_engine(gemma3_base: Path, tmp_path: Path) -> None:
+def test_a_restored_slot_beyond_the_window_continues_as_a_fresh_engine(gemma3_ids_base: Path, tmp_path: Path) -> None:
     """A slot holding 700 tokens of history is saved, restored into another engine, and the next turn (the
-    history and 6 more tokens) answers as a fresh engine with no history answers it, resuming the restored KV."""
+    history and 6 more tokens) answers as a fresh engine with no history answers it, resuming the restored KV
+    (token ids in and out: the model stored without its tokenizer)."""
     rng = np.random.default_rng(7)
     first = rng.integers(0, 262_144, 700).tolist()
     options = EngineOptions(max_context=1024, prefix_cache=False)
-    engine = build_engine(gemma3_base, options)
+    engine = build_engine(gemma3_ids_base, options)
     reply = generate(engine, {"first": first})["first"][0]
     engine.save_slot(0, tmp_path / "slot.bin")
     engine.close()
     follow_up = first + reply + rng.integers(0, 262_144, 6).tolist()
-    engine = build_engine(gemma3_base, options)
+    engine = build_engine(gemma3_ids_base, options)
     fresh = generate(engine, {"fresh": follow_up})["fresh"][0]
     engine.close()
-    engine = build_engine(gemma3_base, options)
+    engine = build_engine(gemma3_ids_base, options)
     engine.restore_slot(0, tmp_path / "slot.bin")
     tokens, cached = generate(engine, {"restored": follow_up})["restored"]
     engine.close()
