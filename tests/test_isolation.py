@@ -2,8 +2,9 @@
 
 Runs the isolation harness (sequential requests sharing a long system prompt, then 2 and 4 concurrent
 requests) on SmolLM2 and on a tiny random Qwen3.5-style hybrid with the real Qwen3.5 tokenizer and chat
-template, with forced tool calls and with plain chat. The default run checks plain chat; `-m slow` adds the
-forced tool calls (each answer compared with a server started for it alone) and the other modes' tool calls.
+template, with forced tool calls and with plain chat. The default run checks plain chat (8 batched slots on the
+hybrid only); `-m slow` adds the forced tool calls (each answer compared with a server started for it alone), the
+other modes' tool calls and SmolLM2 on 8 batched slots.
 """
 
 from __future__ import annotations
@@ -63,10 +64,13 @@ OTHER_MODES = {
 }
 
 
-@pytest.mark.parametrize("name", ["smollm2", "qwen35-hybrid"])
-@pytest.mark.parametrize(("mode", "plain"), [pytest.param("8-batched-slots", False, marks=pytest.mark.slow),
-                                             ("8-batched-slots", True),
-                                             pytest.param("single-slot-no-cache", False, marks=pytest.mark.slow)])
+# The default run checks 8 batched slots on the hybrid (the default mode's batching and cache are checked on both
+# models above); `-m slow` adds SmolLM2's, and forced tool calls in both modes.
+@pytest.mark.parametrize(("name", "mode", "plain"), [
+    pytest.param(name, mode, plain, marks=() if (name, mode, plain) == ("qwen35-hybrid", "8-batched-slots", True)
+                 else pytest.mark.slow, id=f"{mode}-{'plain-chat' if plain else 'tool-calls'}-{name}")
+    for mode, plain in (("8-batched-slots", False), ("8-batched-slots", True), ("single-slot-no-cache", False))
+    for name in ("smollm2", "qwen35-hybrid")])
 async def test_other_modes_equal_the_default_mode(name: str, mode: str, plain: bool, smollm2_base: Path,
                                                   qwen35_chat_base: Path, server_pool: ServerPool,
                                                   fresh_answers: dict):
