@@ -110,9 +110,10 @@ def test_continuous_batching_with_prefix_cache_equals_fresh(model_path: Path, fr
 
 
 def test_a_small_paged_pool_preempts_and_still_equals_fresh(model_path: Path, fresh):
-    # 4 slots but blocks for about two prompts: requests wait, get preempted and recompute.
-    engine = make_engine(model_path, slots=4, kv_tokens=18 * BLOCK_SIZE)
-    batch = prompts(engine.info.vocab_size, shared=100, suffix=27)
+    # 4 slots but blocks for about two prompts (7 blocks each, 8 with their tokens): requests wait, get preempted
+    # and recompute. The prompts of the prefix-cache checks: their fresh answers are known.
+    engine = make_engine(model_path, slots=4, kv_tokens=16 * BLOCK_SIZE)
+    batch = prompts(engine.info.vocab_size)
     plans = []
     results = run(engine, [[request(f"r{i}", p) for i, p in enumerate(batch)]], plans)
     for i, p in enumerate(batch):
@@ -141,22 +142,23 @@ def test_prompt_larger_than_the_pool_is_refused(model_path: Path):
 
 def test_concurrent_requests_compute_a_common_prefix_once(model_path: Path, fresh):
     engine = make_engine(model_path, slots=4, cache=True)
-    batch = prompts(engine.info.vocab_size, shared=200)
+    batch = prompts(engine.info.vocab_size)
     plans = []
-    results = run(engine, [[request(f"r{i}", p, segment_ends=(200,)) for i, p in enumerate(batch)]], plans)
+    results = run(engine, [[request(f"r{i}", p, segment_ends=(100,)) for i, p in enumerate(batch)]], plans)
     for i, p in enumerate(batch):
         assert results[f"r{i}"][0] == fresh(p), f"request {i}"
     # Admitted together with an empty cache; the oldest prefills first and the others adopt its blocks.
-    assert sorted(cached for _, cached in results.values()) == [0, 192, 192, 192]
+    assert sorted(cached for _, cached in results.values()) == [0, 96, 96, 96]
     fed = sum(n for plan in plans for _, n in plan.chunks)
-    assert fed == sum(len(p) for p in batch) - 3 * 192 + 4 * (MAX_TOKENS - 1)   # nothing computed twice
+    assert fed == sum(len(p) for p in batch) - 3 * 96 + 4 * (MAX_TOKENS - 1)   # nothing computed twice
 
 
 def test_a_prefill_stopped_by_its_deadline_leaves_the_slot_consistent(model_path: Path, fresh):
-    # A budget of 64 tokens a step: the 140-token prompt needs three chunks, and its deadline has passed after one.
+    # A budget of 64 tokens a step: the 109-token prompt (the first of the prefix-cache checks) needs two chunks,
+    # and its deadline has passed after one.
     engine = build_engine(model_path, EngineOptions(max_context=512, continuous_batching=True, prefix_cache=True,
                                                     token_budget=64))
-    prompt = prompts(engine.info.vocab_size, shared=100, suffix=40, n=1)[0]
+    prompt = prompts(engine.info.vocab_size)[0]
     late = GenerationRequest("late", prompt, MAX_TOKENS, SamplingParams(temperature=0.0), ignore_eos=True,
                              deadline=time.monotonic())
     plans: list[StepPlan] = []
