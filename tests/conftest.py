@@ -93,12 +93,19 @@ def qwen35_chat_base(tmp_path_factory: pytest.TempPathFactory, qwen35_vocab_gguf
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer_object(smollm2_gguf: Path) -> dict:
+def smollm2_gguf_reader(smollm2_gguf: Path):
+    """gguf-py's reader of the SmolLM2 GGUF (read only), parsed once per session: parsing its 49,152-token
+    vocabulary takes seconds."""
     import gguf
 
+    return gguf.GGUFReader(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_object(smollm2_gguf_reader) -> dict:
     from basert.convert.tokenizer_source import tokenizer_object_from_gguf
 
-    return tokenizer_object_from_gguf(gguf.GGUFReader(smollm2_gguf))
+    return tokenizer_object_from_gguf(smollm2_gguf_reader)
 
 
 @pytest.fixture(scope="session")
