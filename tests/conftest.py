@@ -60,6 +60,14 @@ def qwen35_tokenizer_object(qwen35_vocab_gguf: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
+def qwen35_tokenizer(qwen35_tokenizer_object: dict):
+    """The Qwen3.5 vocabulary's Tokenizer, built once per session (about a second) for the modules that read it."""
+    from basert.tokenizer import Tokenizer
+
+    return Tokenizer.from_object(qwen35_tokenizer_object)
+
+
+@pytest.fixture(scope="session")
 def qwen35_chat_base(tmp_path_factory: pytest.TempPathFactory, qwen35_vocab_gguf: Path) -> Path:
     """A tiny random Qwen3.5-style hybrid with the real Qwen3.5 vocabulary (for chat and tool-call tests).
 
@@ -106,6 +114,14 @@ def smollm2_tokenizer_object(smollm2_gguf_reader) -> dict:
     from basert.convert.tokenizer_source import tokenizer_object_from_gguf
 
     return tokenizer_object_from_gguf(smollm2_gguf_reader)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_tokenizer_object: dict):
+    """SmolLM2's Tokenizer, built once per session."""
+    from basert.tokenizer import Tokenizer
+
+    return Tokenizer.from_object(smollm2_tokenizer_object)
 
 
 @pytest.fixture(scope="session")

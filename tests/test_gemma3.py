@@ -128,7 +128,12 @@ def assert_top_logits_agree(logits: np.ndarray, ids: list[int], values: list[flo
     assert set(np.argsort(-logits)[:10].tolist()) <= set(ids), f"{where}: another token entered the top 10"
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "long" else n
+# By default three of the shorter prompts (prose, code, and Japanese text); `-m slow` adds the other short ones and
+# the longest, which reaches beyond the sliding window.
+FAST_PROMPTS = {"prose", "code", "japanese"}
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_PROMPTS else pytest.param(n, marks=pytest.mark.slow)
                                   for n in sorted(PROMPTS)])
 def test_greedy_tokens_and_top_logits_equal_the_reference(runner: ModelRunner, name: str) -> None:
     prompt = PROMPTS[name]

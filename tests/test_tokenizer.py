@@ -50,8 +50,8 @@ def qwen35_object(qwen35_tokenizer_object: dict) -> dict:
 
 
 @pytest.fixture(scope="session")
-def qwen35(qwen35_object: dict) -> Tokenizer:
-    return Tokenizer.from_object(qwen35_object)
+def qwen35(qwen35_tokenizer: Tokenizer) -> Tokenizer:
+    return qwen35_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +60,8 @@ def smollm2_object(smollm2_tokenizer_object: dict) -> dict:
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_object: dict) -> Tokenizer:
-    return Tokenizer.from_object(smollm2_object)
+def smollm2(smollm2_tokenizer: Tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 def test_vocab_vectors_parse_into_fifty_cases() -> None:
