@@ -53,10 +53,14 @@ def qwen35_vocab_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen35_tokenizer_object(qwen35_vocab_gguf: Path) -> dict:
-    from basert.convert.tokenizer_source import tokenizer_object_from_path
+def qwen35_tokenizer_object(qwen35_chat_base: Path) -> dict:
+    """The Qwen3.5 vocab GGUF's tokenizer object (tokenizer_object_from_path), as qwen35_chat_base's header keeps
+    it: the converter parsed the GGUF for it, and parsing it again takes seconds. test_tokenizer.py checks under
+    -m slow that a fresh parse equals it."""
+    from basert.format import BaseFile
 
-    return tokenizer_object_from_path(qwen35_vocab_gguf)
+    with BaseFile(qwen35_chat_base, verify_checksums=False) as base:
+        return base.tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -102,6 +102,14 @@ def test_gguf_object_holds_every_tokenizer_key(qwen35_object: dict) -> None:
     assert qwen35_object["tokenizer.chat_template"].startswith("{% for message in messages %}")
 
 
+@pytest.mark.slow
+def test_the_converted_header_keeps_the_gguf_tokenizer_object(qwen35_vocab_gguf: Path, qwen35_object: dict) -> None:
+    """The object the other checks read from a converted model's header is the GGUF's, parsed anew."""
+    parsed = tokenizer_object_from_path(qwen35_vocab_gguf)
+    assert parsed == qwen35_object
+    assert json.loads(json.dumps(parsed)) == parsed
+
+
 def test_gguf_object_survives_json(qwen35_object: dict, qwen35: Tokenizer) -> None:
     loaded = json.loads(json.dumps(qwen35_object))
     assert loaded == qwen35_object
