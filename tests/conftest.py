@@ -53,10 +53,22 @@ def qwen35_vocab_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen35_tokenizer_object(qwen35_vocab_gguf: Path) -> dict:
-    from basert.convert.tokenizer_source import tokenizer_object_from_path
+def qwen35_tokenizer_object(qwen35_chat_base: Path) -> dict:
+    """The Qwen3.5 vocab GGUF's tokenizer object (tokenizer_object_from_path), as qwen35_chat_base's header keeps
+    it: the converter parsed the GGUF for it, and parsing it again takes seconds. test_tokenizer.py checks under
+    -m slow that a fresh parse equals it."""
+    from basert.format import BaseFile
 
-    return tokenizer_object_from_path(qwen35_vocab_gguf)
+    with BaseFile(qwen35_chat_base, verify_checksums=False) as base:
+        return base.tokenizer
+
+
+@pytest.fixture(scope="session")
+def qwen35_tokenizer(qwen35_tokenizer_object: dict):
+    """The Qwen3.5 vocabulary's Tokenizer, built once per session (about a second) for the modules that read it."""
+    from basert.tokenizer import Tokenizer
+
+    return Tokenizer.from_object(qwen35_tokenizer_object)
 
 
 @pytest.fixture(scope="session")
@@ -93,12 +105,27 @@ def qwen35_chat_base(tmp_path_factory: pytest.TempPathFactory, qwen35_vocab_gguf
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer_object(smollm2_gguf: Path) -> dict:
+def smollm2_gguf_reader(smollm2_gguf: Path):
+    """gguf-py's reader of the SmolLM2 GGUF (read only), parsed once per session: parsing its 49,152-token
+    vocabulary takes seconds."""
     import gguf
 
+    return gguf.GGUFReader(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_object(smollm2_gguf_reader) -> dict:
     from basert.convert.tokenizer_source import tokenizer_object_from_gguf
 
-    return tokenizer_object_from_gguf(gguf.GGUFReader(smollm2_gguf))
+    return tokenizer_object_from_gguf(smollm2_gguf_reader)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_tokenizer_object: dict):
+    """SmolLM2's Tokenizer, built once per session."""
+    from basert.tokenizer import Tokenizer
+
+    return Tokenizer.from_object(smollm2_tokenizer_object)
 
 
 @pytest.fixture(scope="session")
@@ -120,6 +147,34 @@ def gemma3_base(gemma3_gguf: Path) -> Path:
     out = gemma3_gguf.with_name("gemma3.base")
     convert(gemma3_gguf, out)
     return out
+
+
+def header_edited_copy(source: Path, out: Path, edit) -> Path:
+    """A copy of the .base file `source` at `out` whose JSON header `edit(header)` rewrote in place: the new header
+    is padded with spaces to the old length, so the payloads keep their offsets."""
+    import json
+    import shutil
+    import struct
+
+    shutil.copyfile(source, out)
+    with open(out, "r+b") as f:
+        (header_len,) = struct.unpack_from("<Q", f.read(16), 8)
+        header = json.loads(f.read(header_len))
+        edit(header)
+        encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
+        assert len(encoded) <= header_len
+        f.seek(16)
+        f.write(encoded + b" " * (header_len - len(encoded)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def gemma3_ids_base(gemma3_base: Path) -> Path:
+    """Gemma 3 270M as `gemma3_base`, the same config and tensors, stored without its tokenizer: for engine checks
+    that send token ids and read token ids back, where each engine would otherwise spend about 3 s building the
+    262,144-token tokenizer it never uses."""
+    return header_edited_copy(gemma3_base, gemma3_base.with_name("gemma3-ids.base"),
+                              lambda header: header.update(tokenizer={"tokenizer_type": "none"}))
 
 
 @pytest.fixture(scope="session")

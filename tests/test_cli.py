@@ -122,11 +122,14 @@ def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
     assert tests == ["pp16", "tg4 x2", "pp16 @ d8", "tg4 x2 @ d8"]
 
 
-@pytest.mark.parametrize(("flag", "value", "message"), [("--max-context", "1", "max_context must be at least 2"),
-                                                         ("-c", "1", "max_context must be at least 2"),
-                                                         ("--ctx-size", "1", "max_context must be at least 2"),
-                                                         ("--threads", "0", "threads must be at least 1"),
-                                                         ("-t", "0", "threads must be at least 1")])
+# The default run refuses one spelling of each option (the aliases are parsed as one option: `-c` and
+# `--ctx-size` show in test_serve_flag_errors_show_the_usage_of_serve); `-m slow` tries every spelling.
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--max-context", "1", "max_context must be at least 2"),
+    pytest.param("-c", "1", "max_context must be at least 2", marks=pytest.mark.slow),
+    pytest.param("--ctx-size", "1", "max_context must be at least 2", marks=pytest.mark.slow),
+    pytest.param("--threads", "0", "threads must be at least 1", marks=pytest.mark.slow),
+    ("-t", "0", "threads must be at least 1")])
 def test_serve_refuses_engine_options_that_cannot_work_in_one_line(flag: str, value: str, message: str) -> None:
     result = basert("serve", flag, value, "--port", "1")
     assert result.returncode == 2
@@ -176,7 +179,9 @@ def served_mode(log: str) -> str:
 
 @pytest.mark.parametrize(("flags", "mode"), [
     ((), "4 slot(s), KV paged: 256 blocks of 16 tokens (3.0 MiB), continuous batching, prefix cache"),
-    (("-np", "2"), "2 slot(s), KV paged: 128 blocks of 16 tokens (1.5 MiB), continuous batching, prefix cache"),
+    # -np is --parallel's other spelling (parallel-no-cache): `-m slow` checks it with the prefix cache on.
+    pytest.param(("-np", "2"), "2 slot(s), KV paged: 128 blocks of 16 tokens (1.5 MiB), continuous batching, "
+                 "prefix cache", marks=pytest.mark.slow),
     (("--parallel", "2", "--no-prefix-cache"),
      "2 slot(s), KV paged: 128 blocks of 16 tokens (1.5 MiB), continuous batching"),
     (("--no-continuous-batching",), "1 slot(s), KV paged: 64 blocks of 16 tokens (0.8 MiB), prefix cache"),

@@ -20,8 +20,8 @@ from basert.format.quant import bf16_bits_to_f32, f32_to_bf16_bits
 Q = gguf.GGMLQuantizationType
 
 
-def test_smollm2_every_tensor_matches_gguf_dequantization_bit_for_bit(smollm2_gguf: Path, smollm2_base: Path):
-    reader = gguf.GGUFReader(smollm2_gguf)
+def test_smollm2_every_tensor_matches_gguf_dequantization_bit_for_bit(smollm2_gguf_reader, smollm2_base: Path):
+    reader = smollm2_gguf_reader
     with BaseFile(smollm2_base, verify_checksums=True) as base:
         assert base.arch == "llama"
         assert base.source_format == "gguf"

@@ -18,16 +18,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def qwen35_tokenizer(qwen35_tokenizer_object: dict) -> Tokenizer:
-    return Tokenizer.from_object(qwen35_tokenizer_object)
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_tokenizer_object: dict) -> Tokenizer:
-    return Tokenizer.from_object(smollm2_tokenizer_object)
-
-
 @pytest.fixture(params=["qwen35", "smollm2"])
 def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
     return request.getfixturevalue(f"{request.param}_tokenizer")

@@ -179,8 +179,15 @@ def test_an_embedding_is_the_same_alone_and_in_a_batch(name: str, engines: dict[
     assert np.array_equal(chunked[0], alone[2]) and np.array_equal(chunked[1], alone[0])
 
 
-@pytest.mark.parametrize("mode", list(KV_MODES))
-@pytest.mark.parametrize("name", ["smollm2", "hybrid"])
+# Each KV mode on one of the two models by default (the prefix cache on the hybrid, whose recurrent states it keeps
+# too); `-m slow` runs each mode on the other model as well.
+FAST_KV_MODES = {("smollm2", "contiguous"), ("smollm2", "continuous-batching"), ("hybrid", "paged"),
+                 ("hybrid", "prefix-cache")}
+
+
+@pytest.mark.parametrize(("name", "mode"), [
+    pytest.param(name, mode, marks=() if (name, mode) in FAST_KV_MODES else pytest.mark.slow, id=f"{name}-{mode}")
+    for name in ("smollm2", "hybrid") for mode in KV_MODES])
 def test_embedding_leaves_every_kv_mode_untouched(name: str, mode: str, paths: dict[str, Path],
                                                   engines: dict[str, Engine]):
     """After a generation, an embedding changes no slot, block, cached prefix or recurrent state, gives the

@@ -53,26 +53,33 @@ def prompts(vocab: int, shared: int = 100, suffix: int = 9, n: int = 4) -> list[
     return [prefix + rng.integers(0, vocab, suffix + i).tolist() for i in range(n)]
 
 
-# Gemma 3 here is slow (a 262,144-token head): its fast isolation checks are in test_gemma3.py.
+# Gemma 3 here is slow (a 262,144-token head): its fast isolation checks are in test_gemma3.py. These checks send
+# and read token ids: Gemma is the copy stored without its tokenizer, which each engine would spend 3 s building.
 @pytest.fixture(params=["smollm2", pytest.param("gemma3", marks=pytest.mark.slow), "qwen3_5-tiny"])
 def model_path(request, smollm2_base: Path, tiny_f32_bases: dict[str, Path]) -> Path:
     if request.param == "gemma3":
-        return request.getfixturevalue("gemma3_base")
+        return request.getfixturevalue("gemma3_ids_base")
     return smollm2_base if request.param == "smollm2" else tiny_f32_bases[request.param]
 
 
+@pytest.fixture(scope="module")
+def fresh_answers() -> dict[tuple[str, tuple[int, ...]], list[int]]:
+    """Tokens of prompts on a fresh engine, by (model, prompt): a fresh engine's answer to a prompt is the same
+    whichever test asks, so the tests that send the same prompts share one fresh run of each."""
+    return {}
+
+
 @pytest.fixture
-def fresh(model_path: Path):
+def fresh(model_path: Path, fresh_answers: dict):
     """Each prompt's tokens on a fresh engine."""
-    cache: dict[tuple[int, ...], list[int]] = {}
 
     def answer(prompt: list[int]) -> list[int]:
-        key = tuple(prompt)
-        if key not in cache:
+        key = (str(model_path), tuple(prompt))
+        if key not in fresh_answers:
             engine = make_engine(model_path)
-            cache[key] = run(engine, [[request("fresh", prompt)]])["fresh"][0]
+            fresh_answers[key] = run(engine, [[request("fresh", prompt)]])["fresh"][0]
             engine.close()
-        return cache[key]
+        return fresh_answers[key]
     return answer
 
 
@@ -103,9 +110,10 @@ def test_continuous_batching_with_prefix_cache_equals_fresh(model_path: Path, fr
 
 
 def test_a_small_paged_pool_preempts_and_still_equals_fresh(model_path: Path, fresh):
-    # 4 slots but blocks for about two prompts: requests wait, get preempted and recompute.
-    engine = make_engine(model_path, slots=4, kv_tokens=18 * BLOCK_SIZE)
-    batch = prompts(engine.info.vocab_size, shared=100, suffix=27)
+    # 4 slots but blocks for about two prompts (7 blocks each, 8 with their tokens): requests wait, get preempted
+    # and recompute. The prompts of the prefix-cache checks: their fresh answers are known.
+    engine = make_engine(model_path, slots=4, kv_tokens=16 * BLOCK_SIZE)
+    batch = prompts(engine.info.vocab_size)
     plans = []
     results = run(engine, [[request(f"r{i}", p) for i, p in enumerate(batch)]], plans)
     for i, p in enumerate(batch):
@@ -134,22 +142,23 @@ def test_prompt_larger_than_the_pool_is_refused(model_path: Path):
 
 def test_concurrent_requests_compute_a_common_prefix_once(model_path: Path, fresh):
     engine = make_engine(model_path, slots=4, cache=True)
-    batch = prompts(engine.info.vocab_size, shared=200)
+    batch = prompts(engine.info.vocab_size)
     plans = []
-    results = run(engine, [[request(f"r{i}", p, segment_ends=(200,)) for i, p in enumerate(batch)]], plans)
+    results = run(engine, [[request(f"r{i}", p, segment_ends=(100,)) for i, p in enumerate(batch)]], plans)
     for i, p in enumerate(batch):
         assert results[f"r{i}"][0] == fresh(p), f"request {i}"
     # Admitted together with an empty cache; the oldest prefills first and the others adopt its blocks.
-    assert sorted(cached for _, cached in results.values()) == [0, 192, 192, 192]
+    assert sorted(cached for _, cached in results.values()) == [0, 96, 96, 96]
     fed = sum(n for plan in plans for _, n in plan.chunks)
-    assert fed == sum(len(p) for p in batch) - 3 * 192 + 4 * (MAX_TOKENS - 1)   # nothing computed twice
+    assert fed == sum(len(p) for p in batch) - 3 * 96 + 4 * (MAX_TOKENS - 1)   # nothing computed twice
 
 
 def test_a_prefill_stopped_by_its_deadline_leaves_the_slot_consistent(model_path: Path, fresh):
-    # A budget of 64 tokens a step: the 140-token prompt needs three chunks, and its deadline has passed after one.
+    # A budget of 64 tokens a step: the 109-token prompt (the first of the prefix-cache checks) needs two chunks,
+    # and its deadline has passed after one.
     engine = build_engine(model_path, EngineOptions(max_context=512, continuous_batching=True, prefix_cache=True,
                                                     token_budget=64))
-    prompt = prompts(engine.info.vocab_size, shared=100, suffix=40, n=1)[0]
+    prompt = prompts(engine.info.vocab_size)[0]
     late = GenerationRequest("late", prompt, MAX_TOKENS, SamplingParams(temperature=0.0), ignore_eos=True,
                              deadline=time.monotonic())
     plans: list[StepPlan] = []

@@ -103,10 +103,11 @@ def tagged_object(obj: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tokenizers(smollm2_tokenizer_object: dict, qwen35_tokenizer_object: dict) -> dict[str, Tokenizer]:
+def tokenizers(smollm2_tokenizer: Tokenizer, qwen35_tokenizer: Tokenizer,
+               qwen35_tokenizer_object: dict) -> dict[str, Tokenizer]:
     return {
-        "smollm2": Tokenizer.from_object(smollm2_tokenizer_object),
-        "qwen35": Tokenizer.from_object(qwen35_tokenizer_object),
+        "smollm2": smollm2_tokenizer,
+        "qwen35": qwen35_tokenizer,
         "qwen35_tagged": Tokenizer.from_object(tagged_object(qwen35_tokenizer_object)),
     }
 

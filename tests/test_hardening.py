@@ -27,11 +27,12 @@ EVIL = "http://evil.example"
 @pytest.fixture(scope="module")
 def server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("hardening")
-    # One slot, one request at a time: the queue tests fill it with one stream.
+    # One slot, one request at a time: the queue tests fill it with one stream. A queued request waits up to
+    # 5 s (the full-queue test waits that long for its 503 queue_timeout answers).
     with ServerProcess(smollm2_base, "--no-continuous-batching", "--max-context", "4096", "--threads", "2",
                        "--max-body-bytes", "100000",
                        "--files-dir", str(root / "files"), "--slot-save-path", str(root / "slots"),
-                       "--cors-allow-origin", ORIGIN, "--max-queued", "2", "--queue-timeout", "10",
+                       "--cors-allow-origin", ORIGIN, "--max-queued", "2", "--queue-timeout", "5",
                        "--allowed-host", ALLOWED_HOST, log_path=root / "server.log") as proc:
         yield proc
 

@@ -1,9 +1,11 @@
 """The isolation invariant over HTTP: every request's answer equals its answer on a freshly started server.
 
-Runs the isolation harness (sequential requests sharing a long system prompt, then 2 and 4 concurrent
+Runs the isolation harness (sequential requests sharing a long system prompt, then groups of concurrent
 requests) on SmolLM2 and on a tiny random Qwen3.5-style hybrid with the real Qwen3.5 tokenizer and chat
-template, with forced tool calls and with plain chat. The default run checks plain chat; `-m slow` adds the
-forced tool calls (each answer compared with a server started for it alone) and the other modes' tool calls.
+template, with forced tool calls and with plain chat. The default run checks plain chat on the default server
+(2 sequential requests, then 2 concurrent ones); `-m slow` adds longer runs (4 sequential, then 2 and 4
+concurrent), the forced tool calls (each answer compared with a server started for it alone), and the other
+modes (8 batched slots, one slot without a prefix cache).
 """
 
 from __future__ import annotations
@@ -34,20 +36,27 @@ def model_and_flags(name: str, smollm2_base: Path, qwen35_chat_base: Path) -> tu
     return str(qwen35_chat_base), list(HYBRID_CHAT_FLAGS)
 
 
+# (plain chat or forced tool calls, sequential requests, concurrent groups): by default 2 sequential requests (the
+# second finds the shared system prompt in the prefix cache) and 2 concurrent ones, on each model; `-m slow` adds 4
+# sequential then groups of 2 and 4 (every slot busy), and the forced tool calls (8 sequential, then 2 and 4).
+SHAPES = [pytest.param(False, 8, [2, 4], id="tool-calls", marks=pytest.mark.slow),
+          pytest.param(True, 2, [2], id="plain-chat"),
+          pytest.param(True, 4, [2, 4], id="plain-chat-4-then-2-4", marks=pytest.mark.slow)]
+
+
 @pytest.mark.parametrize("name", ["smollm2", "qwen35-hybrid"])
-@pytest.mark.parametrize("plain", [pytest.param(False, marks=pytest.mark.slow), True], ids=["tool-calls", "plain-chat"])
-async def test_requests_equal_their_fresh_server_answers(name: str, plain: bool, smollm2_base: Path,
-                                                         qwen35_chat_base: Path, server_pool: ServerPool,
-                                                         fresh_answers: dict, tmp_path: Path):
-    """8 (4 plain) sequential requests, then 2 and 4 concurrent ones, on one server started without flags (4
-    batched slots sharing a prefix cache); each answer equals the answer of a server started for that request
-    alone."""
+@pytest.mark.parametrize(("plain", "n", "concurrency"), SHAPES)
+async def test_requests_equal_their_fresh_server_answers(name: str, plain: bool, n: int, concurrency: list[int],
+                                                         smollm2_base: Path, qwen35_chat_base: Path,
+                                                         server_pool: ServerPool, fresh_answers: dict,
+                                                         tmp_path: Path):
+    """n sequential requests, then groups of concurrent ones, on one server started without flags (4 batched slots
+    sharing a prefix cache); each answer equals the answer of a server started for that request alone."""
     model, flags = model_and_flags(name, smollm2_base, qwen35_chat_base)
-    n = 8 if not plain else 4
-    outcomes = await shared_answers(server_pool.get(model, *flags).url, n, [2, 4], plain)
+    outcomes = await shared_answers(server_pool.get(model, *flags).url, n, concurrency, plain)
     await answer_on_fresh_servers(model, flags, outcomes, plain, tmp_path, together=FRESH_TOGETHER)
     fresh_answers.update({(name, plain, o.key): o.fresh for o in outcomes})
-    assert len(outcomes) == n + 6
+    assert len(outcomes) == n + sum(concurrency)
     print(report(outcomes))
     assert all(o.same for o in outcomes), report(outcomes)
     if not plain:
@@ -63,10 +72,13 @@ OTHER_MODES = {
 }
 
 
-@pytest.mark.parametrize("name", ["smollm2", "qwen35-hybrid"])
-@pytest.mark.parametrize(("mode", "plain"), [pytest.param("8-batched-slots", False, marks=pytest.mark.slow),
-                                             ("8-batched-slots", True),
-                                             pytest.param("single-slot-no-cache", False, marks=pytest.mark.slow)])
+# Under -m slow: 8 batched slots, and one slot without a prefix cache, on both models (the default mode's batching
+# and prefix cache are checked by default above, on both models).
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "mode", "plain"), [
+    pytest.param(name, mode, plain, id=f"{mode}-{'plain-chat' if plain else 'tool-calls'}-{name}")
+    for mode, plain in (("8-batched-slots", False), ("8-batched-slots", True), ("single-slot-no-cache", False))
+    for name in ("smollm2", "qwen35-hybrid")])
 async def test_other_modes_equal_the_default_mode(name: str, mode: str, plain: bool, smollm2_base: Path,
                                                   qwen35_chat_base: Path, server_pool: ServerPool,
                                                   fresh_answers: dict):

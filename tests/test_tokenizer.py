@@ -50,8 +50,8 @@ def qwen35_object(qwen35_tokenizer_object: dict) -> dict:
 
 
 @pytest.fixture(scope="session")
-def qwen35(qwen35_object: dict) -> Tokenizer:
-    return Tokenizer.from_object(qwen35_object)
+def qwen35(qwen35_tokenizer: Tokenizer) -> Tokenizer:
+    return qwen35_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +60,8 @@ def smollm2_object(smollm2_tokenizer_object: dict) -> dict:
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_object: dict) -> Tokenizer:
-    return Tokenizer.from_object(smollm2_object)
+def smollm2(smollm2_tokenizer: Tokenizer) -> Tokenizer:
+    return smollm2_tokenizer
 
 
 def test_vocab_vectors_parse_into_fifty_cases() -> None:
@@ -100,6 +100,14 @@ def test_gguf_object_holds_every_tokenizer_key(qwen35_object: dict) -> None:
     assert Counter(qwen35_object["tokenizer.ggml.token_type"]) == {1: 151643, 4: 290, 3: 3}
     assert qwen35_object["tokenizer.ggml.bos_token_id"] == 151643
     assert qwen35_object["tokenizer.chat_template"].startswith("{% for message in messages %}")
+
+
+@pytest.mark.slow
+def test_the_converted_header_keeps_the_gguf_tokenizer_object(qwen35_vocab_gguf: Path, qwen35_object: dict) -> None:
+    """The object the other checks read from a converted model's header is the GGUF's, parsed anew."""
+    parsed = tokenizer_object_from_path(qwen35_vocab_gguf)
+    assert parsed == qwen35_object
+    assert json.loads(json.dumps(parsed)) == parsed
 
 
 def test_gguf_object_survives_json(qwen35_object: dict, qwen35: Tokenizer) -> None:
