@@ -108,7 +108,7 @@ class Model:
         `org/name[:variant]` or a `name` only one org has; a .gguf file or Hugging Face directory (converted
         into the models directory on first use); a model `basert pull` installs, "smollm2" (also None, the
         default) or "gemma3-270m", converted from its packages on first use. `chat_template` (Jinja text)
-        replaces the model's own. `exact`: quantized weights take the exact float32 path (slower) instead of 8-bit
+        replaces the model's own. `exact`: quantized weights take the exact float32 path (slower) instead of 16-bit
         activations in integer dot products; None follows BASERT_EXACT."""
         from basert.convert.default_model import locate_model  # the converter: only when a spec is resolved
 

@@ -149,9 +149,9 @@ ROW_SHAPES = [pytest.param("few", M_VALUES, id="few"), pytest.param("many", M_VA
 @pytest.mark.parametrize("variant", OTHERS)
 @pytest.mark.parametrize("spec", QUANT_SPECS + ODD_GROUP_SPECS, ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize(("groups", "m_values"), ROW_SHAPES)
-@pytest.mark.parametrize("path", ("int8", "exact"))
+@pytest.mark.parametrize("path", ("integer", "exact"))
 def test_quantized_matmul_bits(variant: str, spec: tuple, groups: str, m_values: tuple[int, ...], path: str) -> None:
-    """Both paths of quantized weights: 8-bit activations in integer dot products (groups of a multiple of 32; others
+    """Both paths of quantized weights: 16-bit activations in integer dot products (groups of a multiple of 32; others
     take the float path either way) and the exact float32 one."""
     kind, group, symmetric, scale_dtype = spec
     exact = path == "exact"
@@ -167,14 +167,18 @@ def test_quantized_matmul_bits(variant: str, spec: tuple, groups: str, m_values:
 
 @pytest.mark.parametrize("variant", OTHERS)
 @pytest.mark.parametrize("kind", sorted(matmul.BLOCK_KINDS))
-def test_gguf_block_matmul_bits(variant: str, kind: str) -> None:
+@pytest.mark.parametrize("path", ("integer", "exact"))
+def test_gguf_block_matmul_bits(variant: str, kind: str, path: str) -> None:
+    """Both paths of the GGUF blocks (Q2_K and Q3_K take the float path either way)."""
     rng = np.random.default_rng(matmul.BLOCK_KINDS[kind])
     values = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
     k = 2 * values if values == 256 else 5 * values
     parts = (kind, 19, k, random_blocks(rng, gguf.GGMLQuantizationType[kind], 19, k).reshape(-1))
     x = rng.standard_normal((max(M_VALUES), k), dtype=np.float32)
+    exact = path == "exact"
     for m in M_VALUES:
-        assert same_bits(matmul_bits(variant, parts, x[:m]), matmul_bits("portable", parts, x[:m])), (kind, m)
+        ours, portable = matmul_bits(variant, parts, x[:m], exact), matmul_bits("portable", parts, x[:m], exact)
+        assert same_bits(ours, portable), (kind, m)
 
 
 @pytest.mark.parametrize("variant", OTHERS)

@@ -1,4 +1,4 @@
-"""How closely the default path (8-bit activations in integer dot products) follows the exact float32 path.
+"""How closely the default path (16-bit activations in integer dot products) follows the exact float32 path.
 
     python tools/check_agreement.py MODEL.base [MODEL.base ...] [--text FILE ...] [--positions 2048] [--window 512]
 
@@ -100,7 +100,7 @@ def main() -> int:
         total, top1, kl_mean, kl_max = compare(model, texts, args.positions, args.window)
         ok = top1 >= args.min_top1 and kl_mean <= args.max_kl
         failed |= not ok
-        print(f"| {model.name} | {total} | {top1:.2f}% | {kl_mean:.5f} | {kl_max:.4f} |{'' if ok else ' FAILS'}",
+        print(f"| {model.name} | {total} | {top1:.2f}% | {kl_mean:.2e} | {kl_max:.2e} |{'' if ok else ' FAILS'}",
               flush=True)
     return 1 if failed else 0
 

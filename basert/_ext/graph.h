@@ -113,7 +113,7 @@ static void bg_prologue(void *ctx, int phase, int member) {
     if (phase == m->n_layers * BG_PHASES_PER_LAYER) {
         for (int i = 0; i < m->n_logits; i++)
             basert_rmsnorm_row(m->x + (ptrdiff_t)m->logit_rows[i] * m->dim, m->final_norm, m->eps, h + i * m->dim, m->dim);
-        if (m->head->int8) basert_quantize_rows(h, m->dim, m->n_logits, m->dim, qh);
+        if (m->head->integer) basert_quantize_rows(h, m->dim, m->n_logits, m->dim, qh);
         return;
     }
     const bg_layer *l = &m->layers[phase / BG_PHASES_PER_LAYER];
@@ -123,15 +123,15 @@ static void bg_prologue(void *ctx, int phase, int member) {
         const int qkv = phase % BG_PHASES_PER_LAYER == BG_QKV;
         for (int t = 0; t < m->T; t++)
             basert_rmsnorm_row(m->x + t * m->dim, qkv ? l->input_norm : l->post_norm, m->eps, h + t * m->dim, m->dim);
-        if (qkv ? l->wq->int8 || l->wk->int8 || l->wv->int8 : l->wgate->int8 || l->wup->int8)
+        if (qkv ? l->wq->integer || l->wk->integer || l->wv->integer : l->wgate->integer || l->wup->integer)
             basert_quantize_rows(h, m->dim, m->T, m->dim, qh);
         break;
     }
     case BG_O:
-        if (l->wo->int8) basert_quantize_rows(m->attn, l->wo->k, m->T, l->wo->k, qh);
+        if (l->wo->integer) basert_quantize_rows(m->attn, l->wo->k, m->T, l->wo->k, qh);
         break;
     case BG_DOWN:
-        if (l->wdown->int8) basert_quantize_rows(m->gate, m->ffn, m->T, m->ffn, qh);
+        if (l->wdown->integer) basert_quantize_rows(m->gate, m->ffn, m->T, m->ffn, qh);
         break;
     default:
         break;

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Matmul of float32 activations with .base weights, and embedding row lookup. Quantized weights (base_q4, base_q8
-in groups of 32, 64 or 128) meet the activations quantized to 8 bits in integer dot products (matmul.h states the
-contract); dense weights, and every weight of the exact path (BASERT_EXACT=1, `--exact`, or Weight(exact=True)),
+in groups of 32, 64 or 128, and the GGUF blocks Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) meet the activations quantized to 16
+bits in integer dot products (matmul.h states the contract); dense weights, and every weight of the exact path (BASERT_EXACT=1, `--exact`, or Weight(exact=True)),
 are de-quantized to float32 on the fly. GIL released, output rows split across OpenMP threads; every output value
 is bit-identical whatever the batch size, its row in the batch, the thread count or the CPU variant."""
 
@@ -34,7 +34,7 @@ cdef extern from "matmul.h" nogil:
         const uint8_t *data
         const uint16_t *scales
         const uint16_t *biases
-        int int8
+        int integer
     int basert_omp_max_threads()
     void basert_omp_set_threads(int n)
     void basert_dequant_row(const basert_weight *w, Py_ssize_t row, float *dst)
@@ -52,7 +52,7 @@ cdef extern from "matmul.h" nogil:
     void basert_matmul_rows(const basert_weight *w, const float *x, Py_ssize_t ldx, const uint8_t *qx, Py_ssize_t m,
                             Py_ssize_t r0, Py_ssize_t r1, float *y, Py_ssize_t ldy)
     Py_ssize_t basert_qrow_bytes(Py_ssize_t k)
-    int basert_int8_capable(const basert_weight *w)
+    int basert_integer_capable(const basert_weight *w)
     void basert_quantize_rows(const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k, uint8_t *dst)
     void basert_qmatmul(const basert_weight *w, const uint8_t *qx, Py_ssize_t m, Py_ssize_t r0, Py_ssize_t r1, float *y,
                         Py_ssize_t ldy)
@@ -107,7 +107,7 @@ def get_exact():
 
 
 cdef class QuantizedRows:
-    """x [M, K] quantized to 8 bits per block of 32 (matmul.h's records), in a 64-byte aligned buffer of its own."""
+    """x [M, K] quantized to 16 bits per block of 32 (matmul.h's records), in a 64-byte aligned buffer of its own."""
 
     cdef uint8_t *data
     cdef readonly Py_ssize_t m, k, row_bytes
@@ -131,12 +131,13 @@ cdef class QuantizedRows:
         free(self.data)
 
     def parts(self):
-        """(codes int8 [M, K], scales float32 [M, K/32], sums of 16 codes int16 [M, K/16]): copies, for tests."""
+        """(codes int16 [M, K] in record order, scales float32 [M, K/32], block sums int32 [M, K/32]): copies, for
+        tests."""
         import numpy as np
         raw = np.frombuffer((<char *>self.data)[:self.m * self.row_bytes], dtype=np.uint8).reshape(self.m, self.row_bytes)
         k = self.k
-        return (raw[:, :k].view(np.int8).copy(), raw[:, k:k + k // 8].copy().view(np.float32),
-                raw[:, k + k // 8:k + k // 4].copy().view(np.int16))
+        return (raw[:, :2 * k].copy().view(np.int16), raw[:, 2 * k:2 * k + k // 8].copy().view(np.float32),
+                raw[:, 2 * k + k // 8:2 * k + k // 4].copy().view(np.int32))
 
 
 cdef class Weight:
@@ -213,12 +214,12 @@ cdef class Weight:
         if code == BASERT_F32 and <size_t>self.c.data % 4:
             raise ValueError("f32 weight data must be 4-byte aligned")
         self.exact = _exact if exact is None else bool(exact)
-        self.c.int8 = not self.exact and basert_int8_capable(&self.c)
+        self.c.integer = not self.exact and basert_integer_capable(&self.c)
 
     @property
-    def int8(self):
-        """Whether this weight meets 8-bit activations in integer dot products (else the exact float32 path)."""
-        return bool(self.c.int8)
+    def integer(self):
+        """Whether this weight meets 16-bit activations in integer dot products (else the exact float32 path)."""
+        return bool(self.c.integer)
 
     def rows(self, int start, int stop):
         """A Weight for output rows [start, stop), viewing the same arrays (e.g. one expert of an [E*N, K] stack)."""
@@ -240,7 +241,7 @@ cdef class Weight:
         return <size_t>&self.c
 
     def __repr__(self):
-        path = "int8" if self.c.int8 else "float32"
+        path = "integer" if self.c.integer else "float32"
         return f"Weight({self.kind}, n={self.n}, k={self.k}, group_size={self.group_size}, {path})"
 
 
@@ -259,7 +260,7 @@ def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
         return
     cdef QuantizedRows qx
     cdef const uint8_t *qdata
-    if w.c.int8:
+    if w.c.integer:
         qx = QuantizedRows(x)
         qdata = qx.data
         # One contiguous run of rows per thread, a multiple of the kernel's 8 rows.
@@ -312,7 +313,7 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
     cdef Py_ssize_t m = x.shape[0], k = x.shape[1], count = len(weights), total = 0, per, chunks, t, i
     cdef Py_ssize_t r0, r1, lo, hi, fused = 0
     cdef int nt
-    cdef bint any_int8 = False
+    cdef bint any_integer = False
     cdef Weight w
     cdef float[:, ::1] o
     if len(outs) != count:
@@ -326,7 +327,7 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
             raise ValueError(f"x has {k} columns, weight {i} has K={w.c.k}")
         if o.shape[0] != m or o.shape[1] != w.c.n:
             raise ValueError(f"output {i} has shape ({o.shape[0]}, {o.shape[1]}), expected ({m}, {w.c.n})")
-        any_int8 = any_int8 or w.c.int8
+        any_integer = any_integer or w.c.integer
     if m == 0:
         return
     cdef const basert_weight *cw[MAX_FUSED]
@@ -335,7 +336,7 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
     first[0] = 0
     for i in range(count):
         w = weights[i]
-        if m > BASERT_STREAM_MAX_M and not w.c.int8:
+        if m > BASERT_STREAM_MAX_M and not w.c.integer:
             matmul(x, w, outs[i])
             continue
         o = outs[i]
@@ -346,8 +347,8 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
     total = first[fused]
     if total == 0:
         return
-    cdef QuantizedRows qx = QuantizedRows(x) if any_int8 else None
-    cdef const uint8_t *qdata = qx.data if any_int8 else NULL
+    cdef QuantizedRows qx = QuantizedRows(x) if any_integer else None
+    cdef const uint8_t *qdata = qx.data if any_integer else NULL
     # One contiguous run of the concatenated rows per thread (a multiple of 8), cut at the weights' boundaries.
     nt = _threads_for_macs(m * total * k)
     per = ((total + nt - 1) // nt + 7) // 8 * 8

@@ -170,7 +170,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, help="engine threads (default: one per physical core)")
     p.add_argument("--exact", action="store_true",
                    help="quantized weights take the exact float32 path (slower): the reference that the default, "
-                   "8-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
+                   "16-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
     p.add_argument("--variant", choices=("portable", "avx2", "avx512"),
                    help="the CPU variant of the kernels (default: the best this CPU runs; same as BASERT_CPU)")
     p.add_argument("--kv-bits", type=int, choices=(16, 32), default=16, help="KV element width (default 16)")

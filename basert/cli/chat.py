@@ -281,7 +281,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", "-t", type=int, metavar="N", help="engine threads (default: one per physical core)")
     p.add_argument("--exact", action="store_true",
                    help="quantized weights take the exact float32 path (slower): the reference that the default, "
-                   "8-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
+                   "16-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="use this Jinja chat template instead of the model's own")
     p.set_defaults(func=cmd_chat)

@@ -76,5 +76,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", "-t", type=int, help="engine threads (default: one per physical core)")
     p.add_argument("--exact", action="store_true",
                    help="quantized weights take the exact float32 path (slower): the reference that the default, "
-                   "8-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
+                   "16-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
     p.set_defaults(func=cmd_complete)

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", "-t", type=int, help="engine threads (default: one per physical core)")
     p.add_argument("--exact", action="store_true",
                    help="quantized weights take the exact float32 path (slower): the reference that the default, "
-                   "8-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
+                   "16-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
     p.add_argument("--kv-bits", type=int, choices=(16, 32), default=16, help="KV element width (default 16)")
     p.add_argument("--paged-kv", action="store_true",
                    help="one shared KV block pool, blocks allocated on demand (implied by continuous batching "

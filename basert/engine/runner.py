@@ -98,7 +98,7 @@ class ModelRunner:
     ):
         """Open and validate the model; raises ModelValidationError (one line) for a file that cannot serve:
         malformed, a header that contradicts its tensors, or (with verify_checksums) a corrupted payload.
-        exact: quantized weights take the exact float32 path instead of 8-bit activations and integer dot products
+        exact: quantized weights take the exact float32 path instead of 16-bit activations and integer dot products
         (None: the process default, BASERT_EXACT or `--exact`)."""
         self.exact = mm.get_exact() if exact is None else exact
         self.base = BaseFile(path, verify_checksums=verify_checksums)

@@ -1,5 +1,5 @@
 """The integer path of quantized weights (matmul.h's contract: base_q4 / base_q8 and the GGUF blocks Q4_K, Q5_K,
-Q6_K, Q5_0, Q5_1): activations quantized to 8 bits per block of 32 and integer dot products, against a numpy
+Q6_K, Q5_0, Q5_1): activations quantized to 16 bits per block of 32 and integer dot products, against a numpy
 reference that performs the same integer sums and float32 operations, so the kernels must match it bit for bit on
 every CPU variant; then batch, thread and fused-call invariance, the tolerance against the exact float32 path, and
 which weights take which path."""
@@ -31,15 +31,25 @@ def kind_id(case: tuple[str, int, bool, str]) -> str:
     return f"{kind}-g{group}-{'sym' if symmetric else 'asym'}-{scale_dtype}"
 
 
+QMAX = np.float32(16383)
+# Where value j of a block of 32 sits in an activation record: the even-numbered values first, then the odd ones.
+RECORD_ORDER = np.concatenate([np.arange(0, 32, 2), np.arange(1, 32, 2)])
+
+
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(codes int8 [M, K], scales float32 [M, K/32], sums of 16 codes int16 [M, K/16]) as matmul.h defines them."""
+    """(codes int16 [M, K], scales float32 [M, K/32], block sums int32 [M, K/32]) as matmul.h defines them."""
     m, k = x.shape
     blocks = x.reshape(m, k // 32, 32)
-    scale = np.abs(blocks).max(axis=2) / np.float32(127)
+    scale = np.abs(blocks).max(axis=2) / QMAX
     inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
-    codes = np.rint(np.clip(blocks * inv[:, :, None], np.float32(-127), np.float32(127))).astype(np.int8)
-    sums = codes.reshape(m, k // 16, 16).astype(np.int32).sum(axis=2).astype(np.int16)
+    codes = np.rint(np.clip(blocks * inv[:, :, None], -QMAX, QMAX)).astype(np.int16)
+    sums = codes.astype(np.int32).sum(axis=2)
     return codes.reshape(m, k), scale.astype(np.float32), sums
+
+
+def in_record_order(codes: np.ndarray) -> np.ndarray:
+    m, k = codes.shape
+    return codes.reshape(m, k // 32, 32)[:, :, RECORD_ORDER].reshape(m, k)
 
 
 def base_ints(q: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -110,7 +120,7 @@ def integer_reference(x: np.ndarray, w: np.ndarray, a: np.ndarray, b: np.ndarray
     m, blocks = x.shape[0], w.shape[1]
     q, d, sums = quantize_activations(x)
     q = q.reshape(m, blocks, 32).astype(np.int64)
-    block_sums = sums.reshape(m, blocks, 2).astype(np.int64).sum(axis=2).astype(np.float32)
+    block_sums = sums.astype(np.float32)
     dots = np.einsum("nbj,mbj->mnb", w, q).astype(np.float32)
     out = np.zeros((m, w.shape[0]), dtype=np.float32)
     for i in range(blocks):
@@ -161,12 +171,13 @@ def threads() -> Iterator[None]:
 def test_activation_quantization_matches_the_reference(k: int) -> None:
     x = activations(5, k, seed=k)
     # Halfway values (x * (1/d) = j + 0.5 exactly for d = 1) round to even, as rint does.
-    x[0, -32:] = np.float32(127.0) * np.sign(np.arange(32) - 15.5).astype(np.float32)
-    x[1, -32:] = np.arange(32, dtype=np.float32) + np.float32(0.5)
-    x[1, -1] = np.float32(127)
+    x[0, -32:] = QMAX * np.sign(np.arange(32) - 15.5).astype(np.float32)
+    x[1, -32:] = np.arange(32, dtype=np.float32) * np.float32(512) + np.float32(0.5)
+    x[1, -1] = QMAX
     codes, scales, sums = mm.QuantizedRows(x).parts()
     want = quantize_activations(x)
-    assert np.array_equal(codes, want[0])
+    assert np.array_equal(x[1, -32:] * (np.float32(1) / scales[1, -1]), x[1, -32:])  # d = 1 there
+    assert np.array_equal(codes, in_record_order(want[0]))
     assert same_bits(scales, want[1])
     assert np.array_equal(sums, want[2])
 
@@ -176,7 +187,7 @@ def test_activation_quantization_matches_the_reference(k: int) -> None:
 def test_integer_path_matches_the_reference_bit_for_bit(case: tuple[str, int, bool, str], n: int) -> None:
     for k in K_VALUES[case[1]]:
         weight, q, _ = make(case, n, k, seed=n * 7 + k)
-        assert weight.int8
+        assert weight.integer
         x = activations(max(M_VALUES), k, seed=k)
         out = run(x, weight)
         want = integer_reference(x, *base_ints(q))
@@ -226,23 +237,39 @@ def test_gguf_blocks_on_the_integer_path_match_the_reference_bit_for_bit(kind: s
     for k in ((256, 768) if kind.endswith("_K") else (32, 96, 800)):
         raw = random_blocks(rng, gguf.GGMLQuantizationType[kind], n, k)
         weight = mm.Weight(kind, n, k, raw.reshape(-1), exact=False)
-        assert weight.int8
+        assert weight.integer
         x = activations(max(M_VALUES), k, seed=k)
         want = integer_reference(x, *gguf_ints(kind, raw, k))
         for m in M_VALUES:
             assert same_bits(run(x[:m], weight), want[:m]), f"K={k} M={m}"
 
 
+def test_the_largest_block_sums_fit_in_32_bits() -> None:
+    """Q6_K's largest integers (scale -128 times code 0 - 32 = 4096) against full-scale codes: the block sum
+    32 * 4096 * 16383 is the largest the contract allows, and the kernels keep its sign."""
+    k = 512
+    raw = np.zeros((2, k // 256, 210), dtype=np.uint8)
+    raw[..., 192:208] = np.uint8(0x80)  # every 16-value scale -128
+    raw[..., 208:210] = np.frombuffer(np.float16(1).tobytes(), dtype=np.uint8)
+    raw[1, :, 192:208] = np.uint8(0x7F)  # the second row: scale 127
+    raw = raw.reshape(2, -1)
+    weight = mm.Weight("Q6_K", 2, k, raw.reshape(-1), exact=False)
+    x = np.stack([np.ones(k, np.float32), -np.ones(k, np.float32)])
+    want = integer_reference(x, *gguf_ints("Q6_K", raw, k))
+    assert same_bits(run(x, weight), want)
+    assert np.allclose(want, [[4096 * k, -127 * 32 * k], [-4096 * k, 127 * 32 * k]], rtol=1e-6)
+
+
 def test_fused_call_mixes_integer_and_float_weights() -> None:
     case = ("base_q4", 32, False, "f16")
-    int8, q, values = make(case, 48, 576, seed=1)
+    integer, q, values = make(case, 48, 576, seed=1)
     exact = mm.Weight("base_q4", 48, 576, q.packed, q.scales, q.biases, 32, "f16", exact=True)
     dense = mm.Weight("f32", 24, 576, np.ascontiguousarray(values[:24]).reshape(-1).view(np.uint8))
     for m in (2, 40):
         x = activations(m, 576, seed=m)
-        outs = [np.full((m, w.n), np.nan, dtype=np.float32) for w in (int8, exact, dense)]
-        mm.matmul_many(x, [int8, exact, dense], outs)
-        for w, out in zip((int8, exact, dense), outs):
+        outs = [np.full((m, w.n), np.nan, dtype=np.float32) for w in (integer, exact, dense)]
+        mm.matmul_many(x, [integer, exact, dense], outs)
+        for w, out in zip((integer, exact, dense), outs):
             assert same_bits(out, run(x, w))
 
 
@@ -254,7 +281,7 @@ def test_integer_path_stays_close_to_the_exact_path(case: tuple[str, int, bool, 
     rng = np.random.default_rng(4)
     x = rng.standard_normal((8, weight.k), dtype=np.float32)
     fast, slow = run(x, weight), run(x, exact)
-    # 8-bit activations: an error of about 1/254 of each block's largest value, across the row.
+    # 16-bit activations: an error of about 1/32766 of each block's largest value, across the row.
     error = np.abs(fast - slow).max() / np.abs(slow).max()
     assert error < 0.02, error
 
@@ -263,21 +290,21 @@ def test_which_weights_take_the_integer_path() -> None:
     rng = np.random.default_rng(0)
     values = rng.standard_normal((8, 64), dtype=np.float32)
     q = quantize(values, "base_q4", 32)
-    assert mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32, exact=False).int8
-    assert not mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32, exact=True).int8
+    assert mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32, exact=False).integer
+    assert not mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32, exact=True).integer
     q16 = quantize(values, "base_q8", 16)
-    assert not mm.Weight("base_q8", 8, 64, q16.packed, q16.scales, q16.biases, 16, exact=False).int8
+    assert not mm.Weight("base_q8", 8, 64, q16.packed, q16.scales, q16.biases, 16, exact=False).integer
     dense = mm.Weight("f32", 8, 64, values.reshape(-1).view(np.uint8), exact=False)
-    assert not dense.int8
+    assert not dense.integer
     weight = mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32, exact=False)
-    assert weight.rows(0, 4).int8 and not mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32,
-                                                    exact=True).rows(0, 4).int8
+    assert weight.rows(0, 4).integer and not mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32,
+                                                    exact=True).rows(0, 4).integer
     before = mm.get_exact()
     try:
         mm.set_exact(True)
-        assert not mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32).int8
+        assert not mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32).integer
         mm.set_exact(False)
-        assert mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32).int8
+        assert mm.Weight("base_q4", 8, 64, q.packed, q.scales, q.biases, 32).integer
     finally:
         mm.set_exact(before)
 

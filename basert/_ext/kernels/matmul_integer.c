@@ -1,10 +1,11 @@
-/* 8-bit activations and the integer dot products of quantized weights (matmul.h states the contract): base_q4 /
+/* 16-bit activations and the integer dot products of quantized weights (matmul.h states the contract): base_q4 /
  * base_q8, and the GGUF blocks Q4_K, Q5_K, Q6_K, Q5_0, Q5_1.
  *
- * SIMD variants: eight weight rows at a time; each row's 32 integers of a block meet an activation block in one
- * maddubs + madd (signed weights with their sign moved onto the activations; Q6_K's scales as madd's multipliers), the eight rows' partial sums
- * are folded into one vector of eight exact block sums (lane r: weight row r), and the float operations run on
- * those eight rows at once. The portable variant computes the same integers and float operations row by row. */
+ * SIMD variants: eight weight rows at a time; each row's 32 integers of a block are split into two vectors of 16-bit
+ * lanes, the even-numbered values and the odd-numbered ones (the order of the activation records), which meet the
+ * activation block in two madds (Q6_K's scales multiplied in first); the eight rows' partial sums are folded into
+ * one vector of eight exact block sums (lane r: weight row r), and the float operations run on those eight rows at
+ * once. The portable variant computes the same integers and float operations row by row. */
 #include <math.h>
 #include <string.h>
 
@@ -14,12 +15,18 @@
 #define BQ_ROWS 8
 #define BQ_COLS 4
 
-/* Activation record fields (matmul.h): codes, then the block scales, then the 16-code sums. */
-static inline const int8_t *bq_codes(const uint8_t *rec) { return (const int8_t *)(const void *)rec; }
-static inline const float *bq_scales(const uint8_t *rec, ptrdiff_t k) { return (const float *)(const void *)(rec + k); }
-static inline const int16_t *bq_sums(const uint8_t *rec, ptrdiff_t k) {
-    return (const int16_t *)(const void *)(rec + k + k / 8);
+/* Activation record fields (matmul.h): codes, then the block scales, then the block sums. */
+static inline const int16_t *bq_codes(const uint8_t *rec) { return (const int16_t *)(const void *)rec; }
+static inline const float *bq_scales(const uint8_t *rec, ptrdiff_t k) { return (const float *)(const void *)(rec + 2 * k); }
+static inline const int32_t *bq_sums(const uint8_t *rec, ptrdiff_t k) {
+    return (const int32_t *)(const void *)(rec + 2 * k + k / 8);
 }
+
+/* Where value j of a block of 32 sits in its record: the even-numbered values first, then the odd-numbered ones. */
+static inline int bq_slot(int j) { return (j >> 1) + 16 * (j & 1); }
+
+/* The largest code (matmul.h). */
+#define BQ_QMAX 16383.0f
 
 /* One scale or bias of a weight's groups as a float (f16 or bf16 bits, exactly). */
 static inline float bq_scale_f32(uint16_t bits, int bf16) {
@@ -40,9 +47,9 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
     for (ptrdiff_t i = 0; i < m; i++) {
         const float *row = x + i * ldx;
         uint8_t *rec = dst + i * rb;
-        int8_t *q = (int8_t *)(void *)rec;
-        float *d = (float *)(void *)(rec + k);
-        int16_t *sums = (int16_t *)(void *)(rec + k + k / 8);
+        int16_t *q = (int16_t *)(void *)rec;
+        float *d = (float *)(void *)(rec + 2 * k);
+        int32_t *sums = (int32_t *)(void *)(rec + 2 * k + k / 8);
         for (ptrdiff_t b = 0; b < k / 32; b++) {
             const float *v = row + 32 * b;
 #if defined(BASERT_SIMD)
@@ -61,38 +68,41 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
                 amax = a > amax ? a : amax;
             }
 #endif
-            const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+            const float scale = amax / BQ_QMAX, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
             d[b] = scale;
 #if defined(BASERT_SIMD)
-            const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-            __m256i r[4];
+            const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-BQ_QMAX), hi = _mm256_set1_ps(BQ_QMAX);
+            /* Each eight values' even-numbered ones into the low half, odd-numbered into the high half. */
+            const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+            __m256i r[4], total = _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
-                /* max(v, -127) takes -127 for a NaN (its second operand), like the portable comparison. */
+                /* max(v, lo) takes lo for a NaN (its second operand), like the portable comparison. */
                 const __m256 s = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), vinv), lo), hi);
                 r[j] = _mm256_cvtps_epi32(s);
+                total = _mm256_add_epi32(total, r[j]);
+                r[j] = _mm256_permutevar8x32_epi32(r[j], split);
             }
-            /* packs works within 128-bit lanes: the permute puts the 32 codes back in order. */
-            const __m256i w16 = _mm256_packs_epi32(r[0], r[1]), x16 = _mm256_packs_epi32(r[2], r[3]);
-            const __m256i w8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(void *)(q + 32 * b), w8);
-            const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), w8), _mm256_set1_epi16(1));
-            /* pairs: lane j the sum of codes 4j..4j+3; the 16-code sums are lanes 0-3 and 4-7. */
-            const __m128i s4 = _mm_hadd_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
-            const __m128i s2 = _mm_hadd_epi32(s4, s4);
-            sums[2 * b] = (int16_t)_mm_cvtsi128_si32(s2);
-            sums[2 * b + 1] = (int16_t)_mm_extract_epi32(s2, 1);
+            /* packs works within 128-bit lanes: the 64-bit permute puts the 16 codes back in order. */
+            const __m256i even = _mm256_packs_epi32(_mm256_permute2x128_si256(r[0], r[1], 0x20),
+                                                    _mm256_permute2x128_si256(r[2], r[3], 0x20));
+            const __m256i odd = _mm256_packs_epi32(_mm256_permute2x128_si256(r[0], r[1], 0x31),
+                                                   _mm256_permute2x128_si256(r[2], r[3], 0x31));
+            _mm256_storeu_si256((__m256i *)(void *)(q + 32 * b), _mm256_permute4x64_epi64(even, 0xD8));
+            _mm256_storeu_si256((__m256i *)(void *)(q + 32 * b + 16), _mm256_permute4x64_epi64(odd, 0xD8));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+            t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+            sums[b] = _mm_cvtsi128_si32(t) + _mm_extract_epi32(t, 1);
 #else
-            int total[2] = {0, 0};
+            int32_t total = 0;
             for (int j = 0; j < 32; j++) {
                 float s = v[j] * inv;
-                if (!(s >= -127.0f)) s = -127.0f; /* NaN too */
-                if (s > 127.0f) s = 127.0f;
+                if (!(s >= -BQ_QMAX)) s = -BQ_QMAX; /* NaN too */
+                if (s > BQ_QMAX) s = BQ_QMAX;
                 const int code = (int)lrintf(s);
-                q[32 * b + j] = (int8_t)code;
-                total[j >> 4] += code;
+                q[32 * b + bq_slot(j)] = (int16_t)code;
+                total += code;
             }
-            sums[2 * b] = (int16_t)total[0];
-            sums[2 * b + 1] = (int16_t)total[1];
+            sums[b] = total;
 #endif
         }
     }
@@ -100,8 +110,12 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
 
 /* ---- the kernels ---- */
 
-/* Offset of a symmetric base code: u - 8 (q4) or u - 128 (q8) is the signed value. */
-static inline int bq_offset(const int kind) { return kind == BASERT_Q4 ? 8 : 128; }
+/* What is taken off the stored code u to give w (matmul.h): 8 for symmetric q4, 128 for symmetric q8, 16 for Q5_0;
+ * 0 otherwise (Q6_K's offset goes with its scales). */
+static inline int bq_offset(const int kind, const int type, const int sym) {
+    if (kind == BASERT_BLOCKS) return type == BASERT_GGML_Q5_0 ? 16 : 0;
+    return sym ? (kind == BASERT_Q4 ? 8 : 128) : 0;
+}
 
 /* Whether the weight's blocks have a B term (matmul.h): base kinds with biases, Q4_K, Q5_K, Q5_1. */
 static inline int bq_has_bias(const int kind, const int type, const int sym) {
@@ -166,24 +180,18 @@ static inline void bq_gguf_ints(const int type, const uint8_t *row, ptrdiff_t b,
 #endif
 
 #if defined(BASERT_SIMD)
-/* The 32 codes of a q4 block (16 bytes: element 2i in the low nibble of byte i, 2i+1 in the high one) as bytes
- * in element order: byte i widened to a 16-bit lane, its low nibble kept in the lane's low byte and its high
- * nibble moved to the lane's high byte. */
-BASERT_ALWAYS_INLINE __m256i bq_q4_codes(const uint8_t *p) {
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)p));
-    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(0x000F)),
-                           _mm256_and_si256(_mm256_slli_epi16(v, 4), _mm256_set1_epi16(0x0F00)));
-}
-
 BASERT_ALWAYS_INLINE __m256i bq_load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)(const void *)p); }
 
-/* Bytes p[0..32) shifted right by `shift` bits, masked to `mask`. */
-BASERT_ALWAYS_INLINE __m256i bq_bits32(const uint8_t *p, int shift, int mask) {
-    return _mm256_and_si256(_mm256_srl_epi16(bq_load32(p), _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+/* Bytes v[0..32) shifted right by `shift` bits and masked to `mask`, as 16-bit lanes: the even-numbered bytes in
+ * *even, the odd-numbered ones in *odd. */
+BASERT_ALWAYS_INLINE void bq_split(__m256i v, int shift, int mask, __m256i *even, __m256i *odd) {
+    const __m256i m = _mm256_set1_epi16((short)mask);
+    *even = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), m);
+    *odd = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift + 8)), m);
 }
 
 /* Q5_0 / Q5_1: the 5-bit codes of a block (low nibbles of qs: elements 0-15, high nibbles: 16-31; bit j of qh the
- * fifth bit of element j). */
+ * fifth bit of element j), one byte each. */
 BASERT_ALWAYS_INLINE __m256i bq_q5_codes(const uint8_t *qh, const uint8_t *qs) {
     const __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)qs), mask = _mm_set1_epi8(15);
     const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
@@ -197,43 +205,53 @@ BASERT_ALWAYS_INLINE __m256i bq_q5_codes(const uint8_t *qh, const uint8_t *qs) {
     return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(16)));
 }
 
-/* A block's weight operand: the bytes w (signed where bq_signed) and the 16-bit multipliers of its pairs of products
- * (ones, or Q6_K's scale of each 16 values). q8 codes become u - 128, Q6_K's u - 32, Q5_0's u - 16. */
-BASERT_ALWAYS_INLINE int bq_signed(const int kind, const int type) {
-    return kind == BASERT_Q8 || (kind == BASERT_BLOCKS && (type == BASERT_GGML_Q6_K || type == BASERT_GGML_Q5_0));
-}
-
-BASERT_ALWAYS_INLINE __m256i bq_weights(const int kind, const int type, const uint8_t *row, ptrdiff_t b, __m256i *mul) {
-    *mul = _mm256_set1_epi16(1);
-    if (kind == BASERT_Q4) return bq_q4_codes(row + 16 * b);
-    if (kind == BASERT_Q8) return _mm256_xor_si256(bq_load32(row + 32 * b), _mm256_set1_epi8((char)0x80));
+/* The integers of block b of a weight row as 16-bit lanes, the even-numbered values in *even and the odd-numbered
+ * ones in *odd: codes u as stored, except Q6_K's scale * (u - 32); the offsets of symmetric base codes and Q5_0
+ * (bq_offset) are taken off the block sum instead. */
+BASERT_ALWAYS_INLINE void bq_weights(const int kind, const int type, const uint8_t *row, ptrdiff_t b, __m256i *even,
+                                     __m256i *odd) {
+    if (kind == BASERT_Q4) {
+        /* Byte i holds values 2i (low nibble) and 2i + 1 (high nibble). */
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(row + 16 * b)));
+        *even = _mm256_and_si256(v, _mm256_set1_epi16(15));
+        *odd = _mm256_srli_epi16(v, 4);
+        return;
+    }
+    if (kind == BASERT_Q8) {
+        const __m256i v = bq_load32(row + 32 * b);
+        *even = _mm256_and_si256(v, _mm256_set1_epi16(255));
+        *odd = _mm256_srli_epi16(v, 8);
+        return;
+    }
     int sub;
     const uint8_t *blk = bq_gguf_block(type, row, b, &sub);
     if (type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K) {
         const int five = type == BASERT_GGML_Q5_K;
-        __m256i u = bq_bits32(blk + (five ? 48 : 16) + 32 * (sub >> 1), 4 * (sub & 1), 15);
-        if (five) u = _mm256_or_si256(u, _mm256_slli_epi16(bq_bits32(blk + 16, sub, 1), 4));
-        return u;
+        bq_split(bq_load32(blk + (five ? 48 : 16) + 32 * (sub >> 1)), 4 * (sub & 1), 15, even, odd);
+        if (five) {
+            __m256i he, ho;
+            bq_split(bq_load32(blk + 16), sub, 1, &he, &ho);
+            *even = _mm256_or_si256(*even, _mm256_slli_epi16(he, 4));
+            *odd = _mm256_or_si256(*odd, _mm256_slli_epi16(ho, 4));
+        }
+        return;
     }
     if (type == BASERT_GGML_Q6_K) {
         const int h = sub >> 2, t = sub & 3;
-        const __m256i low = bq_bits32(blk + 64 * h + 32 * (t & 1), 4 * (t >> 1), 15);
-        const __m256i high = _mm256_slli_epi16(bq_bits32(blk + 128 + 32 * h, 2 * t, 3), 4);
+        __m256i le, lo, he, ho;
+        bq_split(bq_load32(blk + 64 * h + 32 * (t & 1)), 4 * (t >> 1), 15, &le, &lo);
+        bq_split(bq_load32(blk + 128 + 32 * h), 2 * t, 3, &he, &ho);
+        /* Lanes 0-7 of each half hold values of the first 16 (scale 0), lanes 8-15 of the second (scale 1). */
         const int8_t *scales = (const int8_t *)(const void *)(blk + 192 + 2 * sub);
-        *mul = _mm256_set_m128i(_mm_set1_epi16(scales[1]), _mm_set1_epi16(scales[0]));
-        return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+        const __m256i mul = _mm256_set_m128i(_mm_set1_epi16(scales[1]), _mm_set1_epi16(scales[0])), off = _mm256_set1_epi16(32);
+        *even = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_or_si256(le, _mm256_slli_epi16(he, 4)), off), mul);
+        *odd = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_or_si256(lo, _mm256_slli_epi16(ho, 4)), off), mul);
+        return;
     }
     const int with_min = type == BASERT_GGML_Q5_1;
-    const __m256i u = bq_q5_codes(blk + (with_min ? 4 : 2), blk + (with_min ? 8 : 6));
-    return with_min ? u : _mm256_sub_epi8(u, _mm256_set1_epi8(16));
-}
-
-/* Eight partial sums (32-bit lanes) of the block's products w * q, each pair of products times its multiplier.
- * Signed weights go through maddubs as |w| times q with the sign of w (each pair sum at most 2 * 128 * 127 in
- * magnitude, so nothing saturates; unsigned codes are at most 31). */
-BASERT_ALWAYS_INLINE __m256i bq_dot(const int sgn, __m256i w, __m256i mul, __m256i a) {
-    if (sgn) return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w)), mul);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), mul);
+    const __m256i v = bq_q5_codes(blk + (with_min ? 4 : 2), blk + (with_min ? 8 : 6));
+    *even = _mm256_and_si256(v, _mm256_set1_epi16(255));
+    *odd = _mm256_srli_epi16(v, 8);
 }
 
 /* Lane r = the sum of the eight lanes of p[r]. */
@@ -281,34 +299,81 @@ BASERT_ALWAYS_INLINE void bq_group_run(const uint16_t *bits, const ptrdiff_t *ro
     for (ptrdiff_t j = 0; j < gn; j++) out[j] = _mm256_loadu_ps(tmp[j]);
 }
 
-/* The A and B (matmul.h) of blocks b0 .. b0 + gn of eight GGUF rows: a[j][r], bias[j][r]. */
+/* F16 bits to float, exactly (F16C). */
+BASERT_ALWAYS_INLINE float bq_f16(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, sizeof bits);
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+}
+
+/* Q4_K / Q5_K: the eight 6-bit scales (bytes 0-7 of out) and minimums (bytes 8-15) of a super-block from its 12
+ * packed bytes, as basert_k_scale_min reads them one by one. */
+BASERT_ALWAYS_INLINE void bq_k_scales_mins(const uint8_t *packed, uint32_t out[4]) {
+    uint32_t u[3];
+    memcpy(u, packed, sizeof u);
+    out[0] = u[0] & 0x3f3f3f3fu;                                                   /* scales 0-3 */
+    out[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);            /* scales 4-7 */
+    out[2] = u[1] & 0x3f3f3f3fu;                                                   /* mins 0-3 */
+    out[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);     /* mins 4-7 */
+}
+
+/* The A and B (matmul.h) of blocks b0 .. b0 + gn of eight GGUF rows: a[j][r], bias[j][r]. For the 256-value types b0
+ * starts a super-block and gn is 8: its sub-blocks. */
 BASERT_ALWAYS_INLINE void bq_gguf_run(const int type, const uint8_t *const *p, ptrdiff_t b0, ptrdiff_t gn, __m256 *a, __m256 *bias) {
-    float ta[8][BQ_ROWS], tb[8][BQ_ROWS];
-    for (int r = 0; r < BQ_ROWS; r++)
-        for (ptrdiff_t j = 0; j < gn; j++) bq_gguf_scales(type, p[r], b0 + j, &ta[j][r], &tb[j][r]);
-    for (ptrdiff_t j = 0; j < gn; j++) {
-        a[j] = _mm256_loadu_ps(ta[j]);
-        bias[j] = _mm256_loadu_ps(tb[j]);
+    const ptrdiff_t bytes = basert_block_bytes(type);
+    if (type == BASERT_GGML_Q6_K) {
+        float d[BQ_ROWS];
+        for (int r = 0; r < BQ_ROWS; r++) d[r] = bq_f16(p[r] + (b0 >> 3) * bytes + 208);
+        for (int j = 0; j < 8; j++) {
+            a[j] = _mm256_loadu_ps(d);
+            bias[j] = _mm256_setzero_ps();
+        }
+        return;
     }
+    if (type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K) {
+        for (int r = 0; r < BQ_ROWS; r++) {
+            const uint8_t *blk = p[r] + (b0 >> 3) * bytes;
+            uint32_t sm[4];
+            bq_k_scales_mins(blk + 4, sm);
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)sm)));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(sm + 2))));
+            a[r] = _mm256_mul_ps(_mm256_set1_ps(bq_f16(blk)), sc);
+            /* -(dmin * min): the sign flipped after the product. */
+            bias[r] = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(bq_f16(blk + 2)), mn), _mm256_set1_ps(-0.0f));
+        }
+    } else { /* Q5_0, Q5_1: a scale (and a minimum) per block of 32 */
+        for (int r = 0; r < BQ_ROWS; r++) {
+            uint16_t d[8] = {0}, m[8] = {0};
+            for (ptrdiff_t j = 0; j < gn; j++) {
+                const uint8_t *blk = p[r] + (b0 + j) * bytes;
+                memcpy(&d[j], blk, 2);
+                if (type == BASERT_GGML_Q5_1) memcpy(&m[j], blk + 2, 2);
+            }
+            a[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)d));
+            bias[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)m));
+        }
+    }
+    bq_transpose8(a);
+    bq_transpose8(bias);
 }
 
 /* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C (1..4) activation records qx + c * rb. kind,
  * type (GGUF blocks) and sym are constants of each instance. */
 BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, const int sym, const basert_weight *w,
                                    ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
-    const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym), sgn = bq_signed(kind, type);
+    const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym), offset = bq_offset(kind, type, sym);
     const ptrdiff_t k = w->k, blocks = k / 32, per_group = gguf ? 1 : w->group_size / 32, groups = blocks / per_group;
-    const ptrdiff_t line_blocks = gguf ? 1 : kind == BASERT_Q4 ? 4 : 2; /* blocks per cache line of codes */
     const ptrdiff_t block_bytes = gguf ? basert_block_bytes(type) / (basert_block_values(type) / 32) : kind == BASERT_Q4 ? 16 : 32;
+    const ptrdiff_t prefetch_every = kind == BASERT_Q4 ? 4 : 2, ahead = BQ_ROWS * w->row_bytes; /* blocks; bytes */
     const uint8_t *p[BQ_ROWS];
     ptrdiff_t rows[BQ_ROWS];
     for (int r = 0; r < BQ_ROWS; r++) {
         rows[r] = row + (r < R ? r : 0); /* beyond R: row again, its sums never stored */
         p[r] = w->data + rows[r] * w->row_bytes;
     }
-    const int8_t *q[BQ_COLS];
+    const int16_t *q[BQ_COLS];
     const float *d[BQ_COLS];
-    const int16_t *s[BQ_COLS];
+    const int32_t *s[BQ_COLS];
     __m256 acc[BQ_COLS];
     for (int c = 0; c < C; c++) {
         q[c] = bq_codes(qx + c * rb);
@@ -317,36 +382,40 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
         acc[c] = _mm256_setzero_ps();
     }
     __m256 scale[8], bias[8];
-    for (ptrdiff_t b = 0; b < blocks; b++) {
-        const ptrdiff_t g = b / per_group;
-        if (b % (8 * per_group) == 0) {
-            const ptrdiff_t gn = groups - g < 8 ? groups - g : 8;
-            if (gguf) {
-                bq_gguf_run(type, p, g, gn, scale, bias);
-            } else {
-                bq_group_run(w->scales, rows, groups, g, gn, w->bf16_scales, scale);
-                if (has_bias) bq_group_run(w->biases, rows, groups, g, gn, w->bf16_scales, bias);
-            }
+    /* Eight groups' scales at a time (a super-block's sub-blocks for the 256-value types), then their blocks. */
+    for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
+        const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
+        if (gguf) {
+            bq_gguf_run(type, p, g0, gn, scale, bias);
+        } else {
+            bq_group_run(w->scales, rows, groups, g0, gn, w->bf16_scales, scale);
+            if (has_bias) bq_group_run(w->biases, rows, groups, g0, gn, w->bf16_scales, bias);
+            else for (int j = 0; j < 8; j++) bias[j] = _mm256_setzero_ps();
         }
-        if (b % line_blocks == 0)
-            for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + b * block_bytes + 2048);
-        __m256i wv[BQ_ROWS], mul[BQ_ROWS];
-        for (int r = 0; r < BQ_ROWS; r++) wv[r] = bq_weights(kind, type, p[r], b, &mul[r]);
-        const __m256 sv = scale[g % 8];
-        for (int c = 0; c < C; c++) {
-            const __m256i a = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b));
-            __m256i part[BQ_ROWS];
-            for (int r = 0; r < BQ_ROWS; r++) part[r] = bq_dot(sgn, wv[r], mul[r], a);
-            __m256i total = bq_sum8(part);
-            const int sum = s[c][2 * b] + s[c][2 * b + 1];
-            /* base q4 gave sum u * q: symmetric takes 8 * S off. q8 gave sum (u - 128) * q: with biases, 128 * S goes
-             * back. */
-            if (kind == BASERT_Q4 && sym) total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * sum));
-            if (kind == BASERT_Q8 && !sym) total = _mm256_add_epi32(total, _mm256_set1_epi32(128 * sum));
-            const __m256 dv = _mm256_set1_ps(d[c][b]);
-            __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(total));
-            if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bias[g % 8], dv), _mm256_set1_ps((float)sum)));
-            acc[c] = _mm256_add_ps(acc[c], t);
+        for (ptrdiff_t j = 0; j < gn; j++) {
+            const __m256 sv = scale[j], bv = bias[j];
+            for (ptrdiff_t i = 0; i < per_group; i++) {
+                const ptrdiff_t b = (g0 + j) * per_group + i;
+                /* The same codes of the next eight rows, about a cache line at a time. */
+                if ((b & (prefetch_every - 1)) == 0)
+                    for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
+                __m256i even[BQ_ROWS], odd[BQ_ROWS];
+                for (int r = 0; r < BQ_ROWS; r++) bq_weights(kind, type, p[r], b, &even[r], &odd[r]);
+                for (int c = 0; c < C; c++) {
+                    const __m256i ae = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b));
+                    const __m256i ao = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b + 16));
+                    __m256i part[BQ_ROWS];
+                    for (int r = 0; r < BQ_ROWS; r++)
+                        part[r] = _mm256_add_epi32(_mm256_madd_epi16(even[r], ae), _mm256_madd_epi16(odd[r], ao));
+                    __m256i total = bq_sum8(part);
+                    const int32_t sum = s[c][b];
+                    if (offset) total = _mm256_sub_epi32(total, _mm256_set1_epi32(offset * sum));
+                    const __m256 dv = _mm256_set1_ps(d[c][b]);
+                    __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(total));
+                    if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps((float)sum)));
+                    acc[c] = _mm256_add_ps(acc[c], t);
+                }
+            }
         }
     }
     for (int c = 0; c < C; c++) {
@@ -370,9 +439,9 @@ static inline void bq_block(const int C, const int kind, const int type, const i
         const uint16_t *sp = gguf ? NULL : w->scales + (row + r) * groups;
         const uint16_t *bp = gguf || sym ? NULL : w->biases + (row + r) * groups;
         for (int c = 0; c < C; c++) {
-            const int8_t *q = bq_codes(qx + c * rb);
+            const int16_t *q = bq_codes(qx + c * rb);
             const float *d = bq_scales(qx + c * rb, k);
-            const int16_t *s = bq_sums(qx + c * rb, k);
+            const int32_t *s = bq_sums(qx + c * rb, k);
             float acc = 0.0f;
             for (ptrdiff_t b = 0; b < k / 32; b++) {
                 int ints[32], total = 0;
@@ -384,13 +453,13 @@ static inline void bq_block(const int C, const int kind, const int type, const i
                     for (int j = 0; j < 32; j++) {
                         const ptrdiff_t e = 32 * b + j;
                         const int u = kind == BASERT_Q4 ? (p[e >> 1] >> (4 * (e & 1))) & 15 : p[e];
-                        ints[j] = sym ? u - bq_offset(kind) : u;
+                        ints[j] = u - bq_offset(kind, type, sym);
                     }
                     a = bq_scale_f32(sp[b / per_group], w->bf16_scales);
                     bias = sym ? 0.0f : bq_scale_f32(bp[b / per_group], w->bf16_scales);
                 }
-                for (int j = 0; j < 32; j++) total += ints[j] * q[32 * b + j];
-                const int sum = s[2 * b] + s[2 * b + 1];
+                for (int j = 0; j < 32; j++) total += ints[j] * q[32 * b + bq_slot(j)];
+                const int32_t sum = s[b];
                 float t = (a * d[b]) * (float)total;
                 if (has_bias) t = t + (bias * d[b]) * (float)sum;
                 acc = acc + t;
