@@ -16,11 +16,24 @@ QWEN35_TEMPLATE = FIXTURES / "chat-templates" / "Qwen3.5-4B.jinja"
 # Flags of the servers in the session's pool: modules that ask for the same model and flags share one server.
 # SmolLM2 with the files store, llama.cpp-style slot files and a body limit (the API and fuzz tests).
 API_BODY_LIMIT = 200_000
-SMOLLM2_API_FLAGS = ("--max-context", "512", "--threads", "2", "--files-dir", f"{ROOT}/files",
+SMOLLM2_API_FLAGS = ("--max-context", "512", "--files-dir", f"{ROOT}/files",
                      "--slot-save-path", f"{ROOT}/slots", "--max-body-bytes", str(API_BODY_LIMIT))
 # SmolLM2 and the tiny Qwen3.5-style hybrid (served with the real Qwen3.5 template) for chat requests.
-SMOLLM2_CHAT_FLAGS = ("--max-context", "1024", "--threads", "2")
+SMOLLM2_CHAT_FLAGS = ("--max-context", "1024")
 HYBRID_CHAT_FLAGS = ("--max-context", "1024", "--chat-template", str(QWEN35_TEMPLATE))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (-n N), each worker runs on a CPU of its own, and so do the servers it starts: the engine's
+    default thread count is then 1 per worker, and the workers do not preempt each other's thread teams."""
+    import os
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        if count <= len(cpus):
+            os.sched_setaffinity(0, {cpus[int(worker.removeprefix("gw")) % len(cpus)]})
 
 
 def pytest_report_header() -> str:

@@ -22,7 +22,7 @@ import basert
 from basert.cli.chat import COMMANDS
 from basert.cli.main import build_parser, subcommand_parsers
 
-FLAGS = ("--max-tokens", "16", "--threads", "2", "--max-context", "1024")
+FLAGS = ("--max-tokens", "16", "--max-context", "1024")
 FRANCE = "What is the capital of France?"
 GERMANY = "And of Germany?"
 TERSE = "You are terse."
@@ -149,7 +149,7 @@ class Terminal:
 
 
 def test_on_a_terminal_ctrl_c_stops_a_reply_and_ctrl_d_leaves(smollm2_base: Path):
-    terminal = Terminal(str(smollm2_base), "--max-tokens", "1000", "--threads", "2")
+    terminal = Terminal(str(smollm2_base), "--max-tokens", "1000")
     try:
         assert b"/help for commands" in terminal.read_until(b">>> ")
         terminal.type(b"Tell me a long story about a dragon.\n")
@@ -171,7 +171,7 @@ def test_on_a_terminal_ctrl_c_stops_a_reply_and_ctrl_d_leaves(smollm2_base: Path
 def test_on_a_terminal_pasted_lines_are_one_message(smollm2_base: Path, smollm2):
     pasted = "Translate to French:\nGood morning\nGood night"
     prompt_tokens = smollm2.chat([{"role": "user", "content": pasted}], max_tokens=4).stats.prompt_tokens
-    terminal = Terminal(str(smollm2_base), "--max-tokens", "4", "--threads", "2")
+    terminal = Terminal(str(smollm2_base), "--max-tokens", "4")
     try:
         terminal.read_until(b">>> ")
         # A terminal wraps a paste in bracketed-paste marks when the program asks for them.

@@ -258,7 +258,7 @@ def test_serve_gemma3_270m_answers_completions_and_chats(gemma3_base: Path, toke
     installed.parent.mkdir(parents=True)
     installed.symlink_to(gemma3_base)
     prompt = PROMPTS["prose"]
-    with ServerProcess("gemma3-270m", "--threads", "2", "--max-context", "1024", log_path=tmp_path / "server.log",
+    with ServerProcess("gemma3-270m", "--max-context", "1024", log_path=tmp_path / "server.log",
                        env={"BASERT_MODELS_DIR": str(models)}) as server:
         body = {"prompt": prompt["text"], "max_tokens": 12, "temperature": 0}
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)

@@ -29,7 +29,7 @@ def server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("hardening")
     # One slot, one request at a time: the queue tests fill it with one stream. A queued request waits up to
     # 5 s (the full-queue test waits that long for its 503 queue_timeout answers).
-    with ServerProcess(smollm2_base, "--no-continuous-batching", "--max-context", "4096", "--threads", "2",
+    with ServerProcess(smollm2_base, "--no-continuous-batching", "--max-context", "4096",
                        "--max-body-bytes", "100000",
                        "--files-dir", str(root / "files"), "--slot-save-path", str(root / "slots"),
                        "--cors-allow-origin", ORIGIN, "--max-queued", "2", "--queue-timeout", "5",
@@ -42,7 +42,7 @@ def keyed_server(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
     """Keys from the command line (secret-key) and from a key file (second-key)."""
     root = tmp_path_factory.mktemp("keyed")
     (root / "keys").write_text("second-key\n")
-    with ServerProcess(smollm2_base, "--max-context", "512", "--threads", "2", "--api-key", "secret-key",
+    with ServerProcess(smollm2_base, "--max-context", "512", "--api-key", "secret-key",
                        "--api-key-file", str(root / "keys"), "--rate-limit", "8", "--cors-allow-origin", "*",
                        "--max-body-bytes", "100000", log_path=root / "server.log") as proc:
         yield proc
@@ -358,7 +358,7 @@ def test_api_key_file_without_a_key_refuses_to_start(tmp_path: Path):
 
 def test_upload_on_a_full_disk_is_507_without_paths(smollm2_base: Path, tmp_path: Path):
     files = tmp_path / "files"
-    with ServerProcess(smollm2_base, "--max-context", "256", "--threads", "2", "--files-dir", str(files),
+    with ServerProcess(smollm2_base, "--max-context", "256", "--files-dir", str(files),
                        log_path=tmp_path / "server.log", file_size_limit=2_000_000) as proc:
         response = httpx.post(proc.url + "/v1/files", files={"file": ("big.bin", b"z" * 3_000_000)},
                               data={"purpose": "user_data"}, timeout=60)
@@ -376,7 +376,7 @@ def test_upload_on_a_full_disk_is_507_without_paths(smollm2_base: Path, tmp_path
 
 
 def test_sigterm_drains_running_requests_then_exits_zero(smollm2_base: Path, tmp_path: Path):
-    proc = ServerProcess(smollm2_base, "--max-context", "512", "--threads", "2", "--drain-timeout", "300",
+    proc = ServerProcess(smollm2_base, "--max-context", "512", "--drain-timeout", "300",
                          log_path=tmp_path / "server.log")
     body = {**CHAT, "max_tokens": 24, "ignore_eos": True, "stream": True}
     chunks: list[str] = []
@@ -428,7 +428,7 @@ async def test_files_and_slots_answer_only_loopback_clients_without_a_key(tmp_pa
 
 
 def test_a_server_beyond_loopback_without_a_key_warns(smollm2_base: Path, tmp_path: Path):
-    proc = ServerProcess(smollm2_base, "--host", "0.0.0.0", "--max-context", "256", "--threads", "2",
+    proc = ServerProcess(smollm2_base, "--host", "0.0.0.0", "--max-context", "256",
                          log_path=tmp_path / "server.log")
     assert proc.stop() == 0
     warnings = [line for line in proc.log_text().splitlines() if "WARNING" in line]

@@ -53,7 +53,7 @@ def served(request, smollm2_base: Path, qwen35_chat_base: Path, tmp_path: Path):
     models_dir = tmp_path / "models"
     env = {"BASERT_MODELS_DIR": str(models_dir)}
     if request.param == "smollm2":
-        return installed(smollm2_base, models_dir, "test-org/smollm2"), "test-org/smollm2", ["--threads", "2"], env
+        return installed(smollm2_base, models_dir, "test-org/smollm2"), "test-org/smollm2", [], env
     template = FIXTURES / "chat-templates" / "Qwen3.5-4B.jinja"
     path = installed(qwen35_chat_base, models_dir, "test-org/qwen35-hybrid")
     return path, "test-org/qwen35-hybrid", ["--chat-template", str(template)], env

@@ -39,7 +39,7 @@ def server(smollm2_base: Path, server_pool: ServerPool) -> ServerProcess:
 def flagged(smollm2_base: Path, tmp_path_factory: pytest.TempPathFactory):
     """A server of its own for the flags under test (the pool resets servers through GET /slots, which is off)."""
     log_path = tmp_path_factory.mktemp("llama-flags") / "server.log"
-    with ServerProcess(smollm2_base, "--max-context", "256", "--threads", "2", "--alias", "local-smol",
+    with ServerProcess(smollm2_base, "--max-context", "256", "--alias", "local-smol",
                        "--no-slots", "--no-metrics", log_path=log_path) as started:
         yield started
 
@@ -197,7 +197,7 @@ def test_id_slot_cache_prompt_and_slots_listing(server: ServerProcess):
 def test_slots_that_never_ran_a_request_have_no_task_fields(smollm2_base: Path, tmp_path: Path):
     # A fresh server of its own: the pool's servers keep the slots earlier modules used.
     task_fields = {"id_task", "params", "next_token"}
-    with ServerProcess(smollm2_base, "--max-context", "256", "--threads", "2", "--slots", "2",
+    with ServerProcess(smollm2_base, "--max-context", "256", "--slots", "2",
                        log_path=tmp_path / "server.log") as fresh:
         assert [task_fields & set(slot) for slot in answer(httpx.get(fresh.url + "/slots"))] == [set(), set()]
         answer(post(fresh.url, "/completion", {**GREEDY, "n_predict": 1, "id_slot": 1}))

@@ -214,7 +214,7 @@ def payloads(lines: list[str]) -> list:
 
 
 def test_drain_timeout_ends_each_stream_with_its_error_event(smollm2_base: Path, tmp_path: Path):
-    proc = ServerProcess(smollm2_base, "--max-context", "1024", "--threads", "2", "--slots", "5",
+    proc = ServerProcess(smollm2_base, "--max-context", "1024", "--slots", "5",
                          "--drain-timeout", "1", log_path=tmp_path / "server.log")
     lines = {name: [] for name in CUT_STREAMS}
     failures: list[Exception] = []
