@@ -182,6 +182,17 @@ static inline void bq_gguf_ints(const int type, const uint8_t *row, ptrdiff_t b,
 #if defined(BASERT_SIMD)
 BASERT_ALWAYS_INLINE __m256i bq_load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)(const void *)p); }
 
+/* Bytes v[0..32) as 16-bit lanes: the even-numbered bytes in *even, the odd-numbered ones in *odd. */
+BASERT_ALWAYS_INLINE void bq_halves(__m256i v, __m256i *even, __m256i *odd) {
+    *even = _mm256_and_si256(v, _mm256_set1_epi16(255));
+    *odd = _mm256_srli_epi16(v, 8);
+}
+
+/* Bytes p[0..32) shifted right by `shift` bits (0..7) and masked to `mask`, as bytes. */
+BASERT_ALWAYS_INLINE __m256i bq_bytes(const uint8_t *p, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srl_epi16(bq_load32(p), _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+}
+
 /* Bytes v[0..32) shifted right by `shift` bits and masked to `mask`, as 16-bit lanes: the even-numbered bytes in
  * *even, the odd-numbered ones in *odd. */
 BASERT_ALWAYS_INLINE void bq_split(__m256i v, int shift, int mask, __m256i *even, __m256i *odd) {
@@ -218,40 +229,38 @@ BASERT_ALWAYS_INLINE void bq_weights(const int kind, const int type, const uint8
         return;
     }
     if (kind == BASERT_Q8) {
-        const __m256i v = bq_load32(row + 32 * b);
-        *even = _mm256_and_si256(v, _mm256_set1_epi16(255));
-        *odd = _mm256_srli_epi16(v, 8);
+        bq_halves(bq_load32(row + 32 * b), even, odd);
         return;
     }
     int sub;
     const uint8_t *blk = bq_gguf_block(type, row, b, &sub);
     if (type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K) {
-        const int five = type == BASERT_GGML_Q5_K;
-        bq_split(bq_load32(blk + (five ? 48 : 16) + 32 * (sub >> 1)), 4 * (sub & 1), 15, even, odd);
-        if (five) {
-            __m256i he, ho;
-            bq_split(bq_load32(blk + 16), sub, 1, &he, &ho);
-            *even = _mm256_or_si256(*even, _mm256_slli_epi16(he, 4));
-            *odd = _mm256_or_si256(*odd, _mm256_slli_epi16(ho, 4));
+        if (type == BASERT_GGML_Q4_K) {
+            bq_split(bq_load32(blk + 16 + 32 * (sub >> 1)), 4 * (sub & 1), 15, even, odd);
+            return;
         }
+        /* Q5_K: the fifth bits joined to the nibbles byte by byte (each at most 16, no carry into the next byte). */
+        const __m256i u = _mm256_or_si256(bq_bytes(blk + 48 + 32 * (sub >> 1), 4 * (sub & 1), 15),
+                                          _mm256_slli_epi16(bq_bytes(blk + 16, sub, 1), 4));
+        bq_halves(u, even, odd);
         return;
     }
     if (type == BASERT_GGML_Q6_K) {
         const int h = sub >> 2, t = sub & 3;
-        __m256i le, lo, he, ho;
-        bq_split(bq_load32(blk + 64 * h + 32 * (t & 1)), 4 * (t >> 1), 15, &le, &lo);
-        bq_split(bq_load32(blk + 128 + 32 * h), 2 * t, 3, &he, &ho);
+        /* The six-bit codes byte by byte (the high two bits at most 0x30, no carry into the next byte), then split. */
+        const __m256i u = _mm256_or_si256(bq_bytes(blk + 64 * h + 32 * (t & 1), 4 * (t >> 1), 15),
+                                          _mm256_slli_epi16(bq_bytes(blk + 128 + 32 * h, 2 * t, 3), 4));
+        __m256i ue, uo;
+        bq_halves(u, &ue, &uo);
         /* Lanes 0-7 of each half hold values of the first 16 (scale 0), lanes 8-15 of the second (scale 1). */
         const int8_t *scales = (const int8_t *)(const void *)(blk + 192 + 2 * sub);
         const __m256i mul = _mm256_set_m128i(_mm_set1_epi16(scales[1]), _mm_set1_epi16(scales[0])), off = _mm256_set1_epi16(32);
-        *even = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_or_si256(le, _mm256_slli_epi16(he, 4)), off), mul);
-        *odd = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_or_si256(lo, _mm256_slli_epi16(ho, 4)), off), mul);
+        *even = _mm256_mullo_epi16(_mm256_sub_epi16(ue, off), mul);
+        *odd = _mm256_mullo_epi16(_mm256_sub_epi16(uo, off), mul);
         return;
     }
     const int with_min = type == BASERT_GGML_Q5_1;
-    const __m256i v = bq_q5_codes(blk + (with_min ? 4 : 2), blk + (with_min ? 8 : 6));
-    *even = _mm256_and_si256(v, _mm256_set1_epi16(255));
-    *odd = _mm256_srli_epi16(v, 8);
+    bq_halves(bq_q5_codes(blk + (with_min ? 4 : 2), blk + (with_min ? 8 : 6)), even, odd);
 }
 
 /* Lane r = the sum of the eight lanes of p[r]. */
