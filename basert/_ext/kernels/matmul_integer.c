@@ -7,6 +7,7 @@
  * one vector of eight exact block sums (lane r: weight row r), and the float operations run on those eight rows at
  * once. The portable variant computes the same integers and float operations row by row. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "matmul.h"
@@ -437,6 +438,171 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
         }
     }
 }
+
+/* ---- larger batches: weights unpacked once into 16-bit pairs, activation pairs broadcast ----
+ *
+ * For a batch of many activation rows (prefill) the integers of eight weight rows are unpacked once per pass into a
+ * buffer laid out for the multiplier: per block of 32, sixteen vectors, vector p holding the p-th pair of codes (record
+ * slots 2p and 2p + 1) of rows 0..7, one pair per 32-bit lane (offsets already taken off). A madd of such a vector
+ * with an activation row's pair p broadcast to every lane gives each row's partial sum in its own lane, so the
+ * sixteen madds of a block add up to the eight rows' exact block sums with no horizontal fold; the block's A and B of
+ * the eight rows are kept beside them. The float operations per block are those of bq_block. */
+
+/* Activation rows and 8-row groups of weight rows per microkernel call at most. */
+#define BG_MR 4
+#define BG_NV 2
+
+/* The unpacked integers, A and B of eight weight rows row .. row + 8 (beyond R: row again). */
+typedef struct {
+    __m256i *ints;   /* blocks * 16 vectors */
+    __m256 *a, *b;   /* blocks vectors each */
+} bg_panel;
+
+BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sym, const basert_weight *w, ptrdiff_t row,
+                                    int R, bg_panel *out) {
+    const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym), offset = bq_offset(kind, type, sym);
+    const ptrdiff_t k = w->k, blocks = k / 32, per_group = gguf ? 1 : w->group_size / 32, groups = blocks / per_group;
+    const ptrdiff_t block_bytes = gguf ? basert_block_bytes(type) / (basert_block_values(type) / 32) : kind == BASERT_Q4 ? 16 : 32;
+    const ptrdiff_t prefetch_every = kind == BASERT_Q4 ? 4 : 2, ahead = BQ_ROWS * w->row_bytes;
+    const uint8_t *p[BQ_ROWS];
+    ptrdiff_t rows[BQ_ROWS];
+    for (int r = 0; r < BQ_ROWS; r++) {
+        rows[r] = row + (r < R ? r : 0);
+        p[r] = w->data + rows[r] * w->row_bytes;
+    }
+    const __m256i off = _mm256_set1_epi16((short)offset);
+    __m256 scale[8], bias[8];
+    for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
+        const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
+        if (gguf) {
+            bq_gguf_run(type, p, g0, gn, scale, bias);
+        } else {
+            bq_group_run(w->scales, rows, groups, g0, gn, w->bf16_scales, scale);
+            if (has_bias) bq_group_run(w->biases, rows, groups, g0, gn, w->bf16_scales, bias);
+            else for (int j = 0; j < 8; j++) bias[j] = _mm256_setzero_ps();
+        }
+        for (ptrdiff_t j = 0; j < gn; j++) {
+            for (ptrdiff_t i = 0; i < per_group; i++) {
+                const ptrdiff_t b = (g0 + j) * per_group + i;
+                if ((b & (prefetch_every - 1)) == 0)
+                    for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
+                out->a[b] = scale[j];
+                out->b[b] = bias[j];
+                __m256i even[BQ_ROWS], odd[BQ_ROWS];
+                for (int r = 0; r < BQ_ROWS; r++) {
+                    bq_weights(kind, type, p[r], b, &even[r], &odd[r]);
+                    if (offset) {
+                        even[r] = _mm256_sub_epi16(even[r], off);
+                        odd[r] = _mm256_sub_epi16(odd[r], off);
+                    }
+                }
+                /* Row r's pair p (32-bit lane p of even, p - 8 of odd) to lane r of vector p. */
+                __m256 e[BQ_ROWS], o[BQ_ROWS];
+                for (int r = 0; r < BQ_ROWS; r++) {
+                    e[r] = _mm256_castsi256_ps(even[r]);
+                    o[r] = _mm256_castsi256_ps(odd[r]);
+                }
+                bq_transpose8(e);
+                bq_transpose8(o);
+                __m256i *dst = out->ints + 16 * b;
+                for (int r = 0; r < BQ_ROWS; r++) {
+                    _mm256_store_si256(dst + r, _mm256_castps_si256(e[r]));
+                    _mm256_store_si256(dst + 8 + r, _mm256_castps_si256(o[r]));
+                }
+            }
+        }
+    }
+}
+
+/* y[c * ldy + row0 + 8 v + r] for C (1..BG_MR) activation rows qx + c * rb and NV panels (8-row groups of weight
+ * rows; rows[v] of them stored). */
+BASERT_ALWAYS_INLINE void bg_micro(const int C, const int NV, const int has_bias, const bg_panel *panel, const int *rows,
+                                   ptrdiff_t k, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
+    const ptrdiff_t blocks = k / 32;
+    const int32_t *q[BG_MR];
+    const float *d[BG_MR];
+    const int32_t *s[BG_MR];
+    __m256 acc[BG_MR][BG_NV];
+    for (int c = 0; c < C; c++) {
+        q[c] = (const int32_t *)(const void *)bq_codes(qx + c * rb);
+        d[c] = bq_scales(qx + c * rb, k);
+        s[c] = bq_sums(qx + c * rb, k);
+        for (int v = 0; v < NV; v++) acc[c][v] = _mm256_setzero_ps();
+    }
+    for (ptrdiff_t b = 0; b < blocks; b++) {
+        __m256i tot[BG_MR][BG_NV];
+        for (int c = 0; c < C; c++)
+            for (int v = 0; v < NV; v++) tot[c][v] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int pr = 0; pr < 16; pr++) {
+            __m256i wv[BG_NV];
+            for (int v = 0; v < NV; v++) wv[v] = _mm256_load_si256(panel[v].ints + 16 * b + pr);
+            for (int c = 0; c < C; c++) {
+                const __m256i av = _mm256_set1_epi32(q[c][16 * b + pr]);
+                for (int v = 0; v < NV; v++) {
+                    tot[c][v] = _mm256_add_epi32(tot[c][v], _mm256_madd_epi16(wv[v], av));
+                    /* One running sum per accumulator: the compiler's reassociation into a tree of the sixteen
+                     * products spills them all. */
+                    __asm__("" : "+x"(tot[c][v]));
+                }
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const __m256 sv = panel[v].a[b], bv = panel[v].b[b];
+            for (int c = 0; c < C; c++) {
+                const __m256 dv = _mm256_set1_ps(d[c][b]);
+                __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(tot[c][v]));
+                if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps((float)s[c][b])));
+                acc[c][v] = _mm256_add_ps(acc[c][v], t);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int v = 0; v < NV; v++) {
+            float *dst = y + c * ldy + 8 * v;
+            if (rows[v] == BQ_ROWS) {
+                _mm256_storeu_ps(dst, acc[c][v]);
+            } else {
+                float out[BQ_ROWS];
+                _mm256_storeu_ps(out, acc[c][v]);
+                for (int r = 0; r < rows[v]; r++) dst[r] = out[r];
+            }
+        }
+}
+
+/* Activation rows c0..c1 against NV panels of weight rows starting at row (rows[v] stored of each). */
+BASERT_ALWAYS_INLINE void bg_cols(const int NV, const int has_bias, const bg_panel *panel, const int *rows, ptrdiff_t k,
+                                  const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, float *y, ptrdiff_t ldy) {
+    ptrdiff_t c = c0;
+    for (; c + BG_MR <= c1; c += BG_MR) bg_micro(BG_MR, NV, has_bias, panel, rows, k, qx + c * rb, rb, y + c * ldy, ldy);
+    switch (c1 - c) {
+    case 3: bg_micro(3, NV, has_bias, panel, rows, k, qx + c * rb, rb, y + c * ldy, ldy); break;
+    case 2: bg_micro(2, NV, has_bias, panel, rows, k, qx + c * rb, rb, y + c * ldy, ldy); break;
+    case 1: bg_micro(1, NV, has_bias, panel, rows, k, qx + c * rb, rb, y + c * ldy, ldy); break;
+    default: break;
+    }
+}
+
+/* Weight rows r0..r1 against activation rows c0..c1: each BG_NV x 8 weight rows unpacked once, then every activation
+ * row against them. `scratch` holds BG_NV panels. */
+BASERT_ALWAYS_INLINE void bg_rows(const int kind, const int type, const int sym, const basert_weight *w, const uint8_t *qx,
+                                  ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy,
+                                  bg_panel *panel) {
+    const int has_bias = bq_has_bias(kind, type, sym);
+    for (ptrdiff_t row = r0; row < r1; row += BG_NV * BQ_ROWS) {
+        int rows[BG_NV], nv = 0;
+        for (int v = 0; v < BG_NV; v++) {
+            const ptrdiff_t left = r1 - row - v * BQ_ROWS;
+            rows[v] = left >= BQ_ROWS ? BQ_ROWS : left > 0 ? (int)left : 0;
+            if (rows[v] > 0) {
+                bg_unpack(kind, type, sym, w, row + v * BQ_ROWS, rows[v], &panel[v]);
+                nv++;
+            }
+        }
+        if (nv == BG_NV) bg_cols(BG_NV, has_bias, panel, rows, w->k, qx, rb, c0, c1, y + row, ldy);
+        else bg_cols(1, has_bias, panel, rows, w->k, qx, rb, c0, c1, y + row, ldy);
+    }
+}
 #else
 /* Portable: one weight row against C activation rows, the same integers and float operations. */
 static inline void bq_block(const int C, const int kind, const int type, const int sym, const basert_weight *w,
@@ -499,11 +665,24 @@ BASERT_ALWAYS_INLINE void bq_rows(const int kind, const int type, const int sym,
 typedef void (*bq_kernel)(const basert_weight *, const uint8_t *, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                           float *, ptrdiff_t);
 
+#if defined(BASERT_SIMD)
+typedef void (*bg_kernel)(const basert_weight *, const uint8_t *, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                          float *, ptrdiff_t, bg_panel *);
+#define BG_KERNEL(name, kind, type, sym)                                                                                 \
+    static void name##_gemm(const basert_weight *w, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1,         \
+                            ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy, bg_panel *panel) {                     \
+        bg_rows(kind, type, sym, w, qx, rb, c0, c1, r0, r1, y, ldy, panel);                                              \
+    }
+#else
+#define BG_KERNEL(name, kind, type, sym)
+#endif
+
 #define BQ_KERNEL(name, kind, type, sym)                                                                                 \
     static void name(const basert_weight *w, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0,  \
                      ptrdiff_t r1, float *y, ptrdiff_t ldy) {                                                           \
         bq_rows(kind, type, sym, w, qx, rb, c0, c1, r0, r1, y, ldy);                                                     \
-    }
+    }                                                                                                                    \
+    BG_KERNEL(name, kind, type, sym)
 BQ_KERNEL(bq_q4_sym, BASERT_Q4, 0, 1)
 BQ_KERNEL(bq_q4_asym, BASERT_Q4, 0, 0)
 BQ_KERNEL(bq_q8_sym, BASERT_Q8, 0, 1)
@@ -514,29 +693,62 @@ BQ_KERNEL(bq_q6_k, BASERT_BLOCKS, BASERT_GGML_Q6_K, 0)
 BQ_KERNEL(bq_q5_0, BASERT_BLOCKS, BASERT_GGML_Q5_0, 0)
 BQ_KERNEL(bq_q5_1, BASERT_BLOCKS, BASERT_GGML_Q5_1, 0)
 
-static bq_kernel bq_kernel_of(const basert_weight *w) {
+/* The kernel instance of a weight: its row-streaming one (*gemm NULL) and, in SIMD variants, its unpacking one. */
+#if defined(BASERT_SIMD)
+#define BQ_PICK(name) do { *gemm = name##_gemm; return name; } while (0)
+typedef bg_kernel bq_gemm_slot;
+#else
+#define BQ_PICK(name) do { *gemm = NULL; return name; } while (0)
+typedef void *bq_gemm_slot;
+#endif
+
+static bq_kernel bq_kernel_of(const basert_weight *w, bq_gemm_slot *gemm) {
     const int sym = w->biases == NULL;
-    if (w->kind == BASERT_Q4) return sym ? bq_q4_sym : bq_q4_asym;
-    if (w->kind == BASERT_Q8) return sym ? bq_q8_sym : bq_q8_asym;
+    if (w->kind == BASERT_Q4) { if (sym) BQ_PICK(bq_q4_sym); else BQ_PICK(bq_q4_asym); }
+    if (w->kind == BASERT_Q8) { if (sym) BQ_PICK(bq_q8_sym); else BQ_PICK(bq_q8_asym); }
     switch (w->ggml_type) {
-    case BASERT_GGML_Q4_K: return bq_q4_k;
-    case BASERT_GGML_Q5_K: return bq_q5_k;
-    case BASERT_GGML_Q6_K: return bq_q6_k;
-    case BASERT_GGML_Q5_0: return bq_q5_0;
-    default: return bq_q5_1;
+    case BASERT_GGML_Q4_K: BQ_PICK(bq_q4_k);
+    case BASERT_GGML_Q5_K: BQ_PICK(bq_q5_k);
+    case BASERT_GGML_Q6_K: BQ_PICK(bq_q6_k);
+    case BASERT_GGML_Q5_0: BQ_PICK(bq_q5_0);
+    default: BQ_PICK(bq_q5_1);
     }
 }
 
-/* Activation rows per pass over the weight rows: about 64 KiB of records, so that they stay in L2 while every
+/* Activation rows per pass over the weight rows: `budget` bytes of records, so that they stay in L2 while every
  * weight row streams past them once. */
-static ptrdiff_t bq_cols_per_pass(ptrdiff_t rb) {
-    ptrdiff_t cols = 65536 / rb / BQ_COLS * BQ_COLS;
+static ptrdiff_t bq_cols_per_pass(ptrdiff_t rb, ptrdiff_t budget) {
+    ptrdiff_t cols = budget / rb / BQ_COLS * BQ_COLS;
     return cols < BQ_COLS ? BQ_COLS : cols;
 }
 
+/* Batches from this many activation rows on take the unpacking kernels (SIMD variants). */
+#define BG_MIN_M 3
+
 void basert_qmatmul(const basert_weight *w, const uint8_t *qx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     if (m < 1 || r0 >= r1) return;
-    const bq_kernel run = bq_kernel_of(w);
-    const ptrdiff_t rb = basert_qrow_bytes(w->k), per = bq_cols_per_pass(rb);
+    bq_gemm_slot gemm;
+    const bq_kernel run = bq_kernel_of(w, &gemm);
+    const ptrdiff_t rb = basert_qrow_bytes(w->k);
+#if defined(BASERT_SIMD)
+    if (m >= BG_MIN_M) {
+        const ptrdiff_t blocks = w->k / 32;
+        /* Per panel: 16 vectors of integers and 2 of floats per block. */
+        char *mem = aligned_alloc(64, (size_t)(BG_NV * blocks * 18 * 32));
+        if (mem != NULL) {
+            bg_panel panel[BG_NV];
+            for (int v = 0; v < BG_NV; v++) {
+                panel[v].ints = (__m256i *)(void *)(mem + (ptrdiff_t)v * blocks * 18 * 32);
+                panel[v].a = (__m256 *)(void *)(panel[v].ints + 16 * blocks);
+                panel[v].b = panel[v].a + blocks;
+            }
+            const ptrdiff_t per = bq_cols_per_pass(rb, 262144);
+            for (ptrdiff_t c0 = 0; c0 < m; c0 += per) gemm(w, qx, rb, c0, c0 + per < m ? c0 + per : m, r0, r1, y, ldy, panel);
+            free(mem);
+            return;
+        }
+    }
+#endif
+    const ptrdiff_t per = bq_cols_per_pass(rb, 65536);
     for (ptrdiff_t c0 = 0; c0 < m; c0 += per) run(w, qx, rb, c0, c0 + per < m ? c0 + per : m, r0, r1, y, ldy);
 }
