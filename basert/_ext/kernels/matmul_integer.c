@@ -449,19 +449,28 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
  * the eight rows are kept beside them. The float operations per block are those of bq_block. */
 
 /* Activation rows and 8-row groups of weight rows per microkernel call at most. */
+#ifndef BG_MR
 #define BG_MR 4
+#endif
+#ifndef BG_NV
 #define BG_NV 2
+#endif
 
-/* The unpacked integers, A and B of eight weight rows row .. row + 8 (beyond R: row again). */
+/* Blocks of K per pass: a multiple of every weight's 8 groups of scales (groups of up to 128 values, 256-value
+ * super-blocks), so that the panels of one pass (BG_NV x 36 KiB) stay in L2 beside the activation rows they meet. */
+#define BG_KC 64
+
+/* The unpacked integers, A and B of blocks b0 .. b0 + BG_KC (at most) of eight weight rows. */
 typedef struct {
-    __m256i *ints;   /* blocks * 16 vectors */
-    __m256 *a, *b;   /* blocks vectors each */
+    __m256i *ints;   /* 16 vectors per block */
+    __m256 *a, *b;   /* a vector per block each */
 } bg_panel;
 
+/* Blocks b0..b1 of weight rows row .. row + 8 (beyond R: row again) into a panel; b0 a multiple of BG_KC. */
 BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sym, const basert_weight *w, ptrdiff_t row,
-                                    int R, bg_panel *out) {
+                                    int R, ptrdiff_t b0, ptrdiff_t b1, bg_panel *out) {
     const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym), offset = bq_offset(kind, type, sym);
-    const ptrdiff_t k = w->k, blocks = k / 32, per_group = gguf ? 1 : w->group_size / 32, groups = blocks / per_group;
+    const ptrdiff_t per_group = gguf ? 1 : w->group_size / 32, groups = w->k / 32 / per_group;
     const ptrdiff_t block_bytes = gguf ? basert_block_bytes(type) / (basert_block_values(type) / 32) : kind == BASERT_Q4 ? 16 : 32;
     const ptrdiff_t prefetch_every = kind == BASERT_Q4 ? 4 : 2, ahead = BQ_ROWS * w->row_bytes;
     const uint8_t *p[BQ_ROWS];
@@ -472,7 +481,7 @@ BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sy
     }
     const __m256i off = _mm256_set1_epi16((short)offset);
     __m256 scale[8], bias[8];
-    for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
+    for (ptrdiff_t g0 = b0 / per_group; g0 < b1 / per_group; g0 += 8) {
         const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
         if (gguf) {
             bq_gguf_run(type, p, g0, gn, scale, bias);
@@ -486,8 +495,8 @@ BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sy
                 const ptrdiff_t b = (g0 + j) * per_group + i;
                 if ((b & (prefetch_every - 1)) == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
-                out->a[b] = scale[j];
-                out->b[b] = bias[j];
+                out->a[b - b0] = scale[j];
+                out->b[b - b0] = bias[j];
                 __m256i even[BQ_ROWS], odd[BQ_ROWS];
                 for (int r = 0; r < BQ_ROWS; r++) {
                     bq_weights(kind, type, p[r], b, &even[r], &odd[r]);
@@ -504,7 +513,7 @@ BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sy
                 }
                 bq_transpose8(e);
                 bq_transpose8(o);
-                __m256i *dst = out->ints + 16 * b;
+                __m256i *dst = out->ints + 16 * (b - b0);
                 for (int r = 0; r < BQ_ROWS; r++) {
                     _mm256_store_si256(dst + r, _mm256_castps_si256(e[r]));
                     _mm256_store_si256(dst + 8 + r, _mm256_castps_si256(o[r]));
@@ -514,22 +523,34 @@ BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sy
     }
 }
 
-/* y[c * ldy + row0 + 8 v + r] for C (1..BG_MR) activation rows qx + c * rb and NV panels (8-row groups of weight
- * rows; rows[v] of them stored). */
+/* y[c * ldy + 8 v + r] for C (1..BG_MR) activation rows qx + c * rb against NV panels (8-row groups of weight rows;
+ * rows[v] of them stored) over blocks b0..b1: the running sums start from y when b0 > 0 (the sums of the blocks
+ * before, as the previous pass left them), from 0 otherwise. */
 BASERT_ALWAYS_INLINE void bg_micro(const int C, const int NV, const int has_bias, const bg_panel *panel, const int *rows,
-                                   ptrdiff_t k, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
-    const ptrdiff_t blocks = k / 32;
+                                   ptrdiff_t k, ptrdiff_t b0, ptrdiff_t b1, const uint8_t *qx, ptrdiff_t rb, float *y,
+                                   ptrdiff_t ldy) {
     const int32_t *q[BG_MR];
     const float *d[BG_MR];
     const int32_t *s[BG_MR];
     __m256 acc[BG_MR][BG_NV];
+    const ptrdiff_t nb = b1 - b0;
     for (int c = 0; c < C; c++) {
-        q[c] = (const int32_t *)(const void *)bq_codes(qx + c * rb);
-        d[c] = bq_scales(qx + c * rb, k);
-        s[c] = bq_sums(qx + c * rb, k);
-        for (int v = 0; v < NV; v++) acc[c][v] = _mm256_setzero_ps();
+        q[c] = (const int32_t *)(const void *)bq_codes(qx + c * rb) + 16 * b0;
+        d[c] = bq_scales(qx + c * rb, k) + b0;
+        s[c] = bq_sums(qx + c * rb, k) + b0;
+        for (int v = 0; v < NV; v++) {
+            if (b0 == 0) {
+                acc[c][v] = _mm256_setzero_ps();
+            } else if (rows[v] == BQ_ROWS) {
+                acc[c][v] = _mm256_loadu_ps(y + c * ldy + 8 * v);
+            } else {
+                float in[BQ_ROWS] = {0};
+                for (int r = 0; r < rows[v]; r++) in[r] = y[c * ldy + 8 * v + r];
+                acc[c][v] = _mm256_loadu_ps(in);
+            }
+        }
     }
-    for (ptrdiff_t b = 0; b < blocks; b++) {
+    for (ptrdiff_t b = 0; b < nb; b++) {
         __m256i tot[BG_MR][BG_NV];
         for (int c = 0; c < C; c++)
             for (int v = 0; v < NV; v++) tot[c][v] = _mm256_setzero_si256();
@@ -570,37 +591,42 @@ BASERT_ALWAYS_INLINE void bg_micro(const int C, const int NV, const int has_bias
         }
 }
 
-/* Activation rows c0..c1 against NV panels of weight rows starting at row (rows[v] stored of each). */
+/* Activation rows c0..c1 against NV panels over blocks b0..b1. */
 BASERT_ALWAYS_INLINE void bg_cols(const int NV, const int has_bias, const bg_panel *panel, const int *rows, ptrdiff_t k,
-                                  const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, float *y, ptrdiff_t ldy) {
+                                  ptrdiff_t b0, ptrdiff_t b1, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1,
+                                  float *y, ptrdiff_t ldy) {
     ptrdiff_t c = c0;
-    for (; c + BG_MR <= c1; c += BG_MR) bg_micro(BG_MR, NV, has_bias, panel, rows, k, qx + c * rb, rb, y + c * ldy, ldy);
+    for (; c + BG_MR <= c1; c += BG_MR) bg_micro(BG_MR, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy);
     switch (c1 - c) {
-    case 3: bg_micro(3, NV, has_bias, panel, rows, k, qx + c * rb, rb, y + c * ldy, ldy); break;
-    case 2: bg_micro(2, NV, has_bias, panel, rows, k, qx + c * rb, rb, y + c * ldy, ldy); break;
-    case 1: bg_micro(1, NV, has_bias, panel, rows, k, qx + c * rb, rb, y + c * ldy, ldy); break;
+#define BG_TAIL(n)                                                                                                       \
+    case n: bg_micro(n < BG_MR ? n : 1, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy); break;
+    BG_TAIL(7) BG_TAIL(6) BG_TAIL(5) BG_TAIL(4) BG_TAIL(3) BG_TAIL(2) BG_TAIL(1)
+#undef BG_TAIL
     default: break;
     }
 }
 
-/* Weight rows r0..r1 against activation rows c0..c1: each BG_NV x 8 weight rows unpacked once, then every activation
- * row against them. `scratch` holds BG_NV panels. */
+/* Weight rows r0..r1 against activation rows c0..c1: each BG_NV x 8 weight rows unpacked BG_KC blocks at a time, and
+ * every activation row run against those blocks before the next ones. */
 BASERT_ALWAYS_INLINE void bg_rows(const int kind, const int type, const int sym, const basert_weight *w, const uint8_t *qx,
                                   ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy,
                                   bg_panel *panel) {
     const int has_bias = bq_has_bias(kind, type, sym);
+    const ptrdiff_t k = w->k, blocks = k / 32;
     for (ptrdiff_t row = r0; row < r1; row += BG_NV * BQ_ROWS) {
         int rows[BG_NV], nv = 0;
         for (int v = 0; v < BG_NV; v++) {
             const ptrdiff_t left = r1 - row - v * BQ_ROWS;
             rows[v] = left >= BQ_ROWS ? BQ_ROWS : left > 0 ? (int)left : 0;
-            if (rows[v] > 0) {
-                bg_unpack(kind, type, sym, w, row + v * BQ_ROWS, rows[v], &panel[v]);
-                nv++;
-            }
+            nv += rows[v] > 0;
         }
-        if (nv == BG_NV) bg_cols(BG_NV, has_bias, panel, rows, w->k, qx, rb, c0, c1, y + row, ldy);
-        else bg_cols(1, has_bias, panel, rows, w->k, qx, rb, c0, c1, y + row, ldy);
+        for (ptrdiff_t b0 = 0; b0 < blocks; b0 += BG_KC) {
+            const ptrdiff_t b1 = blocks - b0 < BG_KC ? blocks : b0 + BG_KC;
+            for (int v = 0; v < nv; v++) bg_unpack(kind, type, sym, w, row + v * BQ_ROWS, rows[v], b0, b1, &panel[v]);
+            if (nv == BG_NV) bg_cols(BG_NV, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
+            else if (nv == 2) bg_cols(2 < BG_NV ? 2 : 1, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
+            else bg_cols(1, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
+        }
     }
 }
 #else
@@ -732,17 +758,18 @@ void basert_qmatmul(const basert_weight *w, const uint8_t *qx, ptrdiff_t m, ptrd
     const ptrdiff_t rb = basert_qrow_bytes(w->k);
 #if defined(BASERT_SIMD)
     if (m >= BG_MIN_M) {
-        const ptrdiff_t blocks = w->k / 32;
         /* Per panel: 16 vectors of integers and 2 of floats per block. */
-        char *mem = aligned_alloc(64, (size_t)(BG_NV * blocks * 18 * 32));
+        char *mem = aligned_alloc(64, (size_t)(BG_NV * BG_KC * 18 * 32));
         if (mem != NULL) {
             bg_panel panel[BG_NV];
             for (int v = 0; v < BG_NV; v++) {
-                panel[v].ints = (__m256i *)(void *)(mem + (ptrdiff_t)v * blocks * 18 * 32);
-                panel[v].a = (__m256 *)(void *)(panel[v].ints + 16 * blocks);
-                panel[v].b = panel[v].a + blocks;
+                panel[v].ints = (__m256i *)(void *)(mem + (ptrdiff_t)v * BG_KC * 18 * 32);
+                panel[v].a = (__m256 *)(void *)(panel[v].ints + 16 * BG_KC);
+                panel[v].b = panel[v].a + BG_KC;
             }
-            const ptrdiff_t per = bq_cols_per_pass(rb, 262144);
+            /* Activation rows per pass: about 256 KiB of the blocks that one panel meets. */
+            const ptrdiff_t slice = w->k / 32 < BG_KC ? rb : BG_KC * (64 + 8);
+            const ptrdiff_t per = bq_cols_per_pass(slice, 262144);
             for (ptrdiff_t c0 = 0; c0 < m; c0 += per) gemm(w, qx, rb, c0, c0 + per < m ? c0 + per : m, r0, r1, y, ldy, panel);
             free(mem);
             return;
