@@ -92,7 +92,8 @@ void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx, ptrdif
  * rows computed with it or the thread count, and a numpy reference reproduces it exactly. Rows of quantized
  * activations are records of basert_qrow_bytes(k) bytes: k codes (int16; in each block of 32 the 16 even-numbered
  * values first, then the 16 odd-numbered ones, the order in which the kernels split a block's weights into 16-bit
- * lanes), k / 32 scales (float32), k / 32 sums (int32), a multiple of 64 bytes. */
+ * lanes), k / 32 scales (float32), k / 32 sums (float32: integers of at most 32 * 16383 in magnitude, exact, so that
+ * float(S) is read rather than converted), a multiple of 64 bytes. */
 
 static inline ptrdiff_t basert_qrow_bytes(ptrdiff_t k) { return (2 * k + k / 8 + k / 8 + 63) & ~(ptrdiff_t)63; }
 
@@ -109,8 +110,10 @@ static inline int basert_integer_capable(const basert_weight *w) {
 void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k, uint8_t *dst);
 
 /* Columns r0..r1 of y[m, ldy] = x @ W^T for a weight with `integer` set, x given as m quantized rows (records of
- * basert_qrow_bytes(w->k) bytes from qx): weight rows eight at a time against activation rows four at a time,
- * the activation rows in blocks that stay in L2 while the weight rows stream past them. */
+ * basert_qrow_bytes(w->k) bytes from qx). One or two rows (decode): weight rows eight at a time streamed against the
+ * activation rows, a horizontal fold per block. Three or more (SIMD variants): sixteen weight rows at a time unpacked
+ * into 16-bit pairs, one row per lane, 2,048 values at a time, and every activation row run against them four at a
+ * time (no fold); the activation rows in blocks that stay in L2. Both give the same bits. */
 void basert_qmatmul(const basert_weight *w, const uint8_t *qx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y,
                     ptrdiff_t ldy);
 

@@ -131,13 +131,13 @@ cdef class QuantizedRows:
         free(self.data)
 
     def parts(self):
-        """(codes int16 [M, K] in record order, scales float32 [M, K/32], block sums int32 [M, K/32]): copies, for
-        tests."""
+        """(codes int16 [M, K] in record order, scales float32 [M, K/32], block sums float32 [M, K/32]): copies,
+        for tests."""
         import numpy as np
         raw = np.frombuffer((<char *>self.data)[:self.m * self.row_bytes], dtype=np.uint8).reshape(self.m, self.row_bytes)
         k = self.k
         return (raw[:, :2 * k].copy().view(np.int16), raw[:, 2 * k:2 * k + k // 8].copy().view(np.float32),
-                raw[:, 2 * k + k // 8:2 * k + k // 4].copy().view(np.int32))
+                raw[:, 2 * k + k // 8:2 * k + k // 4].copy().view(np.float32))
 
 
 cdef class Weight:

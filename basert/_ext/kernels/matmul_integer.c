@@ -19,8 +19,8 @@
 /* Activation record fields (matmul.h): codes, then the block scales, then the block sums. */
 static inline const int16_t *bq_codes(const uint8_t *rec) { return (const int16_t *)(const void *)rec; }
 static inline const float *bq_scales(const uint8_t *rec, ptrdiff_t k) { return (const float *)(const void *)(rec + 2 * k); }
-static inline const int32_t *bq_sums(const uint8_t *rec, ptrdiff_t k) {
-    return (const int32_t *)(const void *)(rec + 2 * k + k / 8);
+static inline const float *bq_sums(const uint8_t *rec, ptrdiff_t k) {
+    return (const float *)(const void *)(rec + 2 * k + k / 8);
 }
 
 /* Where value j of a block of 32 sits in its record: the even-numbered values first, then the odd-numbered ones. */
@@ -50,7 +50,7 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
         uint8_t *rec = dst + i * rb;
         int16_t *q = (int16_t *)(void *)rec;
         float *d = (float *)(void *)(rec + 2 * k);
-        int32_t *sums = (int32_t *)(void *)(rec + 2 * k + k / 8);
+        float *sums = (float *)(void *)(rec + 2 * k + k / 8);
         for (ptrdiff_t b = 0; b < k / 32; b++) {
             const float *v = row + 32 * b;
 #if defined(BASERT_SIMD)
@@ -92,7 +92,7 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
             _mm256_storeu_si256((__m256i *)(void *)(q + 32 * b + 16), _mm256_permute4x64_epi64(odd, 0xD8));
             __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
             t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
-            sums[b] = _mm_cvtsi128_si32(t) + _mm_extract_epi32(t, 1);
+            sums[b] = (float)(_mm_cvtsi128_si32(t) + _mm_extract_epi32(t, 1));
 #else
             int32_t total = 0;
             for (int j = 0; j < 32; j++) {
@@ -103,7 +103,7 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
                 q[32 * b + bq_slot(j)] = (int16_t)code;
                 total += code;
             }
-            sums[b] = total;
+            sums[b] = (float)total;
 #endif
         }
     }
@@ -383,7 +383,7 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
     }
     const int16_t *q[BQ_COLS];
     const float *d[BQ_COLS];
-    const int32_t *s[BQ_COLS];
+    const float *s[BQ_COLS];
     __m256 acc[BQ_COLS];
     for (int c = 0; c < C; c++) {
         q[c] = bq_codes(qx + c * rb);
@@ -418,11 +418,10 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
                     for (int r = 0; r < BQ_ROWS; r++)
                         part[r] = _mm256_add_epi32(_mm256_madd_epi16(even[r], ae), _mm256_madd_epi16(odd[r], ao));
                     __m256i total = bq_sum8(part);
-                    const int32_t sum = s[c][b];
-                    if (offset) total = _mm256_sub_epi32(total, _mm256_set1_epi32(offset * sum));
+                    if (offset) total = _mm256_sub_epi32(total, _mm256_set1_epi32(offset * (int32_t)s[c][b]));
                     const __m256 dv = _mm256_set1_ps(d[c][b]);
                     __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(total));
-                    if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps((float)sum)));
+                    if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps(s[c][b])));
                     acc[c] = _mm256_add_ps(acc[c], t);
                 }
             }
@@ -531,7 +530,7 @@ BASERT_ALWAYS_INLINE void bg_micro(const int C, const int NV, const int has_bias
                                    ptrdiff_t ldy) {
     const int32_t *q[BG_MR];
     const float *d[BG_MR];
-    const int32_t *s[BG_MR];
+    const float *s[BG_MR];
     __m256 acc[BG_MR][BG_NV];
     const ptrdiff_t nb = b1 - b0;
     for (int c = 0; c < C; c++) {
@@ -573,7 +572,7 @@ BASERT_ALWAYS_INLINE void bg_micro(const int C, const int NV, const int has_bias
             for (int c = 0; c < C; c++) {
                 const __m256 dv = _mm256_set1_ps(d[c][b]);
                 __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(tot[c][v]));
-                if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps((float)s[c][b])));
+                if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps(s[c][b])));
                 acc[c][v] = _mm256_add_ps(acc[c][v], t);
             }
         }
@@ -642,7 +641,7 @@ static inline void bq_block(const int C, const int kind, const int type, const i
         for (int c = 0; c < C; c++) {
             const int16_t *q = bq_codes(qx + c * rb);
             const float *d = bq_scales(qx + c * rb, k);
-            const int32_t *s = bq_sums(qx + c * rb, k);
+            const float *s = bq_sums(qx + c * rb, k);
             float acc = 0.0f;
             for (ptrdiff_t b = 0; b < k / 32; b++) {
                 int ints[32], total = 0;
@@ -660,9 +659,8 @@ static inline void bq_block(const int C, const int kind, const int type, const i
                     bias = sym ? 0.0f : bq_scale_f32(bp[b / per_group], w->bf16_scales);
                 }
                 for (int j = 0; j < 32; j++) total += ints[j] * q[32 * b + bq_slot(j)];
-                const int32_t sum = s[b];
                 float t = (a * d[b]) * (float)total;
-                if (has_bias) t = t + (bias * d[b]) * (float)sum;
+                if (has_bias) t = t + (bias * d[b]) * s[b];
                 acc = acc + t;
             }
             y[c * ldy + row + r] = acc;
