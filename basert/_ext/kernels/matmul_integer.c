@@ -367,10 +367,11 @@ BASERT_ALWAYS_INLINE void bq_gguf_run(const int type, const uint8_t *const *p, p
     bq_transpose8(bias);
 }
 
-/* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C (1..4) activation records qx + c * rb. kind,
- * type (GGUF blocks) and sym are constants of each instance. */
-BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, const int sym, const basert_weight *w,
-                                   ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
+/* y[row + r] for weight rows row + r (r < R <= 8) against one activation record qx (decode). Each row's codes meet the
+ * activation block as soon as they are unpacked, so that few vectors are live at once. kind, type (GGUF blocks) and
+ * sym are constants of each instance. */
+BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym, const basert_weight *w, ptrdiff_t row,
+                                   int R, const uint8_t *qx, float *y) {
     const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym), offset = bq_offset(kind, type, sym);
     const ptrdiff_t k = w->k, blocks = k / 32, per_group = gguf ? 1 : w->group_size / 32, groups = blocks / per_group;
     const ptrdiff_t block_bytes = gguf ? basert_block_bytes(type) / (basert_block_values(type) / 32) : kind == BASERT_Q4 ? 16 : 32;
@@ -381,16 +382,9 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
         rows[r] = row + (r < R ? r : 0); /* beyond R: row again, its sums never stored */
         p[r] = w->data + rows[r] * w->row_bytes;
     }
-    const int16_t *q[BQ_COLS];
-    const float *d[BQ_COLS];
-    const float *s[BQ_COLS];
-    __m256 acc[BQ_COLS];
-    for (int c = 0; c < C; c++) {
-        q[c] = bq_codes(qx + c * rb);
-        d[c] = bq_scales(qx + c * rb, k);
-        s[c] = bq_sums(qx + c * rb, k);
-        acc[c] = _mm256_setzero_ps();
-    }
+    const int16_t *q = bq_codes(qx);
+    const float *d = bq_scales(qx, k), *s = bq_sums(qx, k);
+    __m256 acc = _mm256_setzero_ps();
     __m256 scale[8], bias[8];
     /* Eight groups' scales at a time (a super-block's sub-blocks for the 256-value types), then their blocks. */
     for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
@@ -409,32 +403,29 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
                 /* The same codes of the next eight rows, about a cache line at a time. */
                 if ((b & (prefetch_every - 1)) == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
-                __m256i even[BQ_ROWS], odd[BQ_ROWS];
-                for (int r = 0; r < BQ_ROWS; r++) bq_weights(kind, type, p[r], b, &even[r], &odd[r]);
-                for (int c = 0; c < C; c++) {
-                    const __m256i ae = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b));
-                    const __m256i ao = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b + 16));
-                    __m256i part[BQ_ROWS];
-                    for (int r = 0; r < BQ_ROWS; r++)
-                        part[r] = _mm256_add_epi32(_mm256_madd_epi16(even[r], ae), _mm256_madd_epi16(odd[r], ao));
-                    __m256i total = bq_sum8(part);
-                    if (offset) total = _mm256_sub_epi32(total, _mm256_set1_epi32(offset * (int32_t)s[c][b]));
-                    const __m256 dv = _mm256_set1_ps(d[c][b]);
-                    __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(total));
-                    if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps(s[c][b])));
-                    acc[c] = _mm256_add_ps(acc[c], t);
+                const __m256i ae = bq_load32((const uint8_t *)(const void *)(q + 32 * b));
+                const __m256i ao = bq_load32((const uint8_t *)(const void *)(q + 32 * b + 16));
+                __m256i part[BQ_ROWS];
+                for (int r = 0; r < BQ_ROWS; r++) {
+                    __m256i even, odd;
+                    bq_weights(kind, type, p[r], b, &even, &odd);
+                    part[r] = _mm256_add_epi32(_mm256_madd_epi16(even, ae), _mm256_madd_epi16(odd, ao));
                 }
+                __m256i total = bq_sum8(part);
+                if (offset) total = _mm256_sub_epi32(total, _mm256_set1_epi32(offset * (int32_t)s[b]));
+                const __m256 dv = _mm256_set1_ps(d[b]);
+                __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(total));
+                if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps(s[b])));
+                acc = _mm256_add_ps(acc, t);
             }
         }
     }
-    for (int c = 0; c < C; c++) {
-        if (R == BQ_ROWS) {
-            _mm256_storeu_ps(y + c * ldy + row, acc[c]);
-        } else {
-            float out[BQ_ROWS];
-            _mm256_storeu_ps(out, acc[c]);
-            for (int r = 0; r < R; r++) y[c * ldy + row + r] = out[r];
-        }
+    if (R == BQ_ROWS) {
+        _mm256_storeu_ps(y + row, acc);
+    } else {
+        float out[BQ_ROWS];
+        _mm256_storeu_ps(out, acc);
+        for (int r = 0; r < R; r++) y[row + r] = out[r];
     }
 }
 
@@ -669,12 +660,15 @@ static inline void bq_block(const int C, const int kind, const int type, const i
 }
 #endif
 
-/* Weight rows r0..r1 against activation rows c0..c1: blocks of BQ_ROWS rows, each against BQ_COLS activation rows at
- * a time (the codes of the block of rows stay in L1 meanwhile). */
+/* Weight rows r0..r1 against activation rows c0..c1, BQ_ROWS weight rows at a time: in SIMD variants against one
+ * activation row (decode; batches take the unpacking kernels), in the portable one against BQ_COLS at a time. */
 BASERT_ALWAYS_INLINE void bq_rows(const int kind, const int type, const int sym, const basert_weight *w, const uint8_t *qx,
                                   ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
         const int R = r1 - row < BQ_ROWS ? (int)(r1 - row) : BQ_ROWS;
+#if defined(BASERT_SIMD)
+        for (ptrdiff_t c = c0; c < c1; c++) bq_block(kind, type, sym, w, row, R, qx + c * rb, y + c * ldy);
+#else
         ptrdiff_t c = c0;
         for (; c + BQ_COLS <= c1; c += BQ_COLS) bq_block(BQ_COLS, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy);
         switch (c1 - c) {
@@ -683,6 +677,7 @@ BASERT_ALWAYS_INLINE void bq_rows(const int kind, const int type, const int sym,
         case 1: bq_block(1, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
         default: break;
         }
+#endif
     }
 }
 
@@ -747,7 +742,7 @@ static ptrdiff_t bq_cols_per_pass(ptrdiff_t rb, ptrdiff_t budget) {
 }
 
 /* Batches from this many activation rows on take the unpacking kernels (SIMD variants). */
-#define BG_MIN_M 3
+#define BG_MIN_M 2
 
 void basert_qmatmul(const basert_weight *w, const uint8_t *qx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     if (m < 1 || r0 >= r1) return;
