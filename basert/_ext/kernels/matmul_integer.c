@@ -217,6 +217,34 @@ BASERT_ALWAYS_INLINE __m256i bq_q5_codes(const uint8_t *qh, const uint8_t *qs) {
     return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(16)));
 }
 
+/* The integers of 32-value sub-block `sub` (0..7) of the 256-value super-block blk (Q4_K, Q5_K, Q6_K), as bq_weights
+ * gives them. */
+BASERT_ALWAYS_INLINE void bq_k_weights(const int type, const uint8_t *blk, const int sub, __m256i *even, __m256i *odd) {
+    if (type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K) {
+        if (type == BASERT_GGML_Q4_K) {
+            bq_split(bq_load32(blk + 16 + 32 * (sub >> 1)), 4 * (sub & 1), 15, even, odd);
+            return;
+        }
+        /* Q5_K: the fifth bits joined to the nibbles byte by byte (each at most 16, no carry into the next byte). */
+        const __m256i u = _mm256_or_si256(bq_bytes(blk + 48 + 32 * (sub >> 1), 4 * (sub & 1), 15),
+                                          _mm256_slli_epi16(bq_bytes(blk + 16, sub, 1), 4));
+        bq_halves(u, even, odd);
+        return;
+    }
+    /* Q6_K */
+    const int h = sub >> 2, t = sub & 3;
+    /* The six-bit codes byte by byte (the high two bits at most 0x30, no carry into the next byte), then split. */
+    const __m256i u = _mm256_or_si256(bq_bytes(blk + 64 * h + 32 * (t & 1), 4 * (t >> 1), 15),
+                                      _mm256_slli_epi16(bq_bytes(blk + 128 + 32 * h, 2 * t, 3), 4));
+    __m256i ue, uo;
+    bq_halves(u, &ue, &uo);
+    /* Lanes 0-7 of each half hold values of the first 16 (scale 0), lanes 8-15 of the second (scale 1). */
+    const int8_t *scales = (const int8_t *)(const void *)(blk + 192 + 2 * sub);
+    const __m256i mul = _mm256_set_m128i(_mm_set1_epi16(scales[1]), _mm_set1_epi16(scales[0])), off = _mm256_set1_epi16(32);
+    *even = _mm256_mullo_epi16(_mm256_sub_epi16(ue, off), mul);
+    *odd = _mm256_mullo_epi16(_mm256_sub_epi16(uo, off), mul);
+}
+
 /* The integers of block b of a weight row as 16-bit lanes, the even-numbered values in *even and the odd-numbered
  * ones in *odd: codes u as stored, except Q6_K's scale * (u - 32); the offsets of symmetric base codes and Q5_0
  * (bq_offset) are taken off the block sum instead. */
@@ -233,33 +261,11 @@ BASERT_ALWAYS_INLINE void bq_weights(const int kind, const int type, const uint8
         bq_halves(bq_load32(row + 32 * b), even, odd);
         return;
     }
-    int sub;
-    const uint8_t *blk = bq_gguf_block(type, row, b, &sub);
-    if (type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K) {
-        if (type == BASERT_GGML_Q4_K) {
-            bq_split(bq_load32(blk + 16 + 32 * (sub >> 1)), 4 * (sub & 1), 15, even, odd);
-            return;
-        }
-        /* Q5_K: the fifth bits joined to the nibbles byte by byte (each at most 16, no carry into the next byte). */
-        const __m256i u = _mm256_or_si256(bq_bytes(blk + 48 + 32 * (sub >> 1), 4 * (sub & 1), 15),
-                                          _mm256_slli_epi16(bq_bytes(blk + 16, sub, 1), 4));
-        bq_halves(u, even, odd);
+    if (basert_block_values(type) == 256) {
+        bq_k_weights(type, row + (b >> 3) * basert_block_bytes(type), (int)(b & 7), even, odd);
         return;
     }
-    if (type == BASERT_GGML_Q6_K) {
-        const int h = sub >> 2, t = sub & 3;
-        /* The six-bit codes byte by byte (the high two bits at most 0x30, no carry into the next byte), then split. */
-        const __m256i u = _mm256_or_si256(bq_bytes(blk + 64 * h + 32 * (t & 1), 4 * (t >> 1), 15),
-                                          _mm256_slli_epi16(bq_bytes(blk + 128 + 32 * h, 2 * t, 3), 4));
-        __m256i ue, uo;
-        bq_halves(u, &ue, &uo);
-        /* Lanes 0-7 of each half hold values of the first 16 (scale 0), lanes 8-15 of the second (scale 1). */
-        const int8_t *scales = (const int8_t *)(const void *)(blk + 192 + 2 * sub);
-        const __m256i mul = _mm256_set_m128i(_mm_set1_epi16(scales[1]), _mm_set1_epi16(scales[0])), off = _mm256_set1_epi16(32);
-        *even = _mm256_mullo_epi16(_mm256_sub_epi16(ue, off), mul);
-        *odd = _mm256_mullo_epi16(_mm256_sub_epi16(uo, off), mul);
-        return;
-    }
+    const uint8_t *blk = row + b * basert_block_bytes(type);
     const int with_min = type == BASERT_GGML_Q5_1;
     bq_halves(bq_q5_codes(blk + (with_min ? 4 : 2), blk + (with_min ? 8 : 6)), even, odd);
 }
@@ -367,6 +373,18 @@ BASERT_ALWAYS_INLINE void bq_gguf_run(const int type, const uint8_t *const *p, p
     bq_transpose8(bias);
 }
 
+/* acc + t for one block (matmul.h): the eight rows' partial sums folded into their exact block sums (less the offset
+ * times the activation sum S), times A * d, plus (B * d) * S with a B. */
+BASERT_ALWAYS_INLINE __m256 bq_fold(const int has_bias, const int offset, const __m256i *part, __m256 sv, __m256 bv, float d,
+                                    float sum, __m256 acc) {
+    __m256i total = bq_sum8(part);
+    if (offset) total = _mm256_sub_epi32(total, _mm256_set1_epi32(offset * (int32_t)sum));
+    const __m256 dv = _mm256_set1_ps(d);
+    __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(total));
+    if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps(sum)));
+    return _mm256_add_ps(acc, t);
+}
+
 /* y[row + r] for weight rows row + r (r < R <= 8) against one activation record qx (decode). Each row's codes meet the
  * activation block as soon as they are unpacked, so that few vectors are live at once. kind, type (GGUF blocks) and
  * sym are constants of each instance. */
@@ -396,8 +414,29 @@ BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym
             if (has_bias) bq_group_run(w->biases, rows, groups, g0, gn, w->bf16_scales, bias);
             else for (int j = 0; j < 8; j++) bias[j] = _mm256_setzero_ps();
         }
+        if (gguf && basert_block_values(type) == 256) {
+            /* A super-block's eight sub-blocks written out: their offsets and shifts are constants. Its bytes of the
+             * next eight rows prefetched a cache line at a time. */
+            const ptrdiff_t bytes = basert_block_bytes(type), at = (g0 >> 3) * bytes;
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const ptrdiff_t line = j == 7 ? bytes - 1 : 32 * j;
+                if ((j & 1) == 0 || j == 7)
+                    if (line < bytes)
+                        for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + at + line);
+                __m256i part[BQ_ROWS];
+                const __m256i ae = bq_load32((const uint8_t *)(const void *)(q + 32 * (g0 + j)));
+                const __m256i ao = bq_load32((const uint8_t *)(const void *)(q + 32 * (g0 + j) + 16));
+                for (int r = 0; r < BQ_ROWS; r++) {
+                    __m256i even, odd;
+                    bq_k_weights(type, p[r] + at, j, &even, &odd);
+                    part[r] = _mm256_add_epi32(_mm256_madd_epi16(even, ae), _mm256_madd_epi16(odd, ao));
+                }
+                acc = bq_fold(has_bias, offset, part, scale[j], bias[j], d[g0 + j], s[g0 + j], acc);
+            }
+            continue;
+        }
         for (ptrdiff_t j = 0; j < gn; j++) {
-            const __m256 sv = scale[j], bv = bias[j];
             for (ptrdiff_t i = 0; i < per_group; i++) {
                 const ptrdiff_t b = (g0 + j) * per_group + i;
                 /* The same codes of the next eight rows, about a cache line at a time. */
@@ -411,12 +450,7 @@ BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym
                     bq_weights(kind, type, p[r], b, &even, &odd);
                     part[r] = _mm256_add_epi32(_mm256_madd_epi16(even, ae), _mm256_madd_epi16(odd, ao));
                 }
-                __m256i total = bq_sum8(part);
-                if (offset) total = _mm256_sub_epi32(total, _mm256_set1_epi32(offset * (int32_t)s[b]));
-                const __m256 dv = _mm256_set1_ps(d[b]);
-                __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(total));
-                if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps(s[b])));
-                acc = _mm256_add_ps(acc, t);
+                acc = bq_fold(has_bias, offset, part, scale[j], bias[j], d[b], s[b], acc);
             }
         }
     }
