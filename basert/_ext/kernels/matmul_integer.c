@@ -490,6 +490,20 @@ typedef struct {
     __m256 *a, *b;   /* a vector per block each */
 } bg_panel;
 
+/* Block `at` of a panel: A and B, and the rows' even- and odd-numbered integers (e[r], o[r] as float bits) transposed so
+ * that row r's pair p (32-bit lane p of e, p - 8 of o) lands in lane r of vector p. */
+BASERT_ALWAYS_INLINE void bg_store(ptrdiff_t at, __m256 scale, __m256 bias, __m256 *e, __m256 *o, bg_panel *out) {
+    out->a[at] = scale;
+    out->b[at] = bias;
+    bq_transpose8(e);
+    bq_transpose8(o);
+    __m256i *dst = out->ints + 16 * at;
+    for (int r = 0; r < BQ_ROWS; r++) {
+        _mm256_store_si256(dst + r, _mm256_castps_si256(e[r]));
+        _mm256_store_si256(dst + 8 + r, _mm256_castps_si256(o[r]));
+    }
+}
+
 /* Blocks b0..b1 of weight rows row .. row + 8 (beyond R: row again) into a panel; b0 a multiple of BG_KC. */
 BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sym, const basert_weight *w, ptrdiff_t row,
                                     int R, ptrdiff_t b0, ptrdiff_t b1, bg_panel *out) {
@@ -519,29 +533,18 @@ BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sy
                 const ptrdiff_t b = (g0 + j) * per_group + i;
                 if ((b & (prefetch_every - 1)) == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
-                out->a[b - b0] = scale[j];
-                out->b[b - b0] = bias[j];
-                __m256i even[BQ_ROWS], odd[BQ_ROWS];
-                for (int r = 0; r < BQ_ROWS; r++) {
-                    bq_weights(kind, type, p[r], b, &even[r], &odd[r]);
-                    if (offset) {
-                        even[r] = _mm256_sub_epi16(even[r], off);
-                        odd[r] = _mm256_sub_epi16(odd[r], off);
-                    }
-                }
-                /* Row r's pair p (32-bit lane p of even, p - 8 of odd) to lane r of vector p. */
                 __m256 e[BQ_ROWS], o[BQ_ROWS];
                 for (int r = 0; r < BQ_ROWS; r++) {
-                    e[r] = _mm256_castsi256_ps(even[r]);
-                    o[r] = _mm256_castsi256_ps(odd[r]);
+                    __m256i even, odd;
+                    bq_weights(kind, type, p[r], b, &even, &odd);
+                    if (offset) {
+                        even = _mm256_sub_epi16(even, off);
+                        odd = _mm256_sub_epi16(odd, off);
+                    }
+                    e[r] = _mm256_castsi256_ps(even);
+                    o[r] = _mm256_castsi256_ps(odd);
                 }
-                bq_transpose8(e);
-                bq_transpose8(o);
-                __m256i *dst = out->ints + 16 * (b - b0);
-                for (int r = 0; r < BQ_ROWS; r++) {
-                    _mm256_store_si256(dst + r, _mm256_castps_si256(e[r]));
-                    _mm256_store_si256(dst + 8 + r, _mm256_castps_si256(o[r]));
-                }
+                bg_store(b - b0, scale[j], bias[j], e, o, out);
             }
         }
     }
