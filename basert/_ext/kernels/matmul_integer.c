@@ -579,8 +579,6 @@ BASERT_ALWAYS_INLINE void bg_micro(const int C, const int NV, const int has_bias
     }
     for (ptrdiff_t b = 0; b < nb; b++) {
         __m256i tot[BG_MR][BG_NV];
-        for (int c = 0; c < C; c++)
-            for (int v = 0; v < NV; v++) tot[c][v] = _mm256_setzero_si256();
 #pragma GCC unroll 16
         for (int pr = 0; pr < 16; pr++) {
             __m256i wv[BG_NV];
@@ -588,7 +586,8 @@ BASERT_ALWAYS_INLINE void bg_micro(const int C, const int NV, const int has_bias
             for (int c = 0; c < C; c++) {
                 const __m256i av = _mm256_set1_epi32(q[c][16 * b + pr]);
                 for (int v = 0; v < NV; v++) {
-                    tot[c][v] = _mm256_add_epi32(tot[c][v], _mm256_madd_epi16(wv[v], av));
+                    const __m256i prod = _mm256_madd_epi16(wv[v], av);
+                    tot[c][v] = pr == 0 ? prod : _mm256_add_epi32(tot[c][v], prod);
                     /* One running sum per accumulator: the compiler's reassociation into a tree of the sixteen
                      * products spills them all. */
                     __asm__("" : "+x"(tot[c][v]));
