@@ -1,5 +1,9 @@
 """Engine benchmark: pp128, pp512 and tg128 tokens/s plus peak RSS for one model; a table and JSON.
 
+Memory: the process's peak RSS, and what the engine adds to it: the peak minus the RSS after the imports and before
+the model loads, beside the weights (the .base file, mapped) and the KV pool that the engine allocated; the rest is
+the engine's own working memory (activations, workspaces).
+
     python tools/bench_engine.py [MODEL] [--threads 2] [--repetitions 3] [--json bench_engine.json]
     python tools/bench_engine.py --with-load [--rounds 3]    # decode on a shared CPU
 
@@ -43,11 +47,16 @@ def main() -> int:
     path = model_path_for(args.model)
     if args.with_load:
         return bench_with_load(path, args)
-    results = run_bench(path, [128, 512], [128], args.repetitions, args.warmup, args.threads, args.kv_bits)
+    before_mib = current_rss_mib()
+    kv: dict[str, int] = {}
+    results = run_bench(path, [128, 512], [128], args.repetitions, args.warmup, args.threads, args.kv_bits,
+                        on_engine=lambda engine: kv.update(bytes=engine.runner.kv.nbytes))
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    added_mib, weights_mib, kv_mib = peak_rss_mib - before_mib, path.stat().st_size / 2**20, kv["bytes"] / 2**20
     name = path.parent.parent.name if path.name == "model.base" else path.name
     print(markdown_table(name, path.stat().st_size, results))
-    print(f"\npeak RSS: {peak_rss_mib:.1f} MiB")
+    print(f"\npeak RSS: {peak_rss_mib:.1f} MiB; added by the engine: {added_mib:.1f} MiB = weights {weights_mib:.1f} + "
+          f"KV {kv_mib:.1f} + {added_mib - weights_mib - kv_mib:.1f} MiB")
     report = {
         "basert_version": __version__,
         "model": str(path),
@@ -59,10 +68,23 @@ def main() -> int:
         "results": [{"test": r.test, "tokens_per_second_mean": r.mean, "tokens_per_second_stdev": r.stdev,
                      "runs_tokens_per_second": r.rates} for r in results],
         "peak_rss_mib": peak_rss_mib,
+        "rss_before_load_mib": before_mib,
+        "engine_added_rss_mib": added_mib,
+        "weights_mib": weights_mib,
+        "kv_mib": kv_mib,
     }
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def current_rss_mib() -> float:
+    """The process's resident memory now (Linux: /proc/self/statm), with every engine module imported."""
+    import basert.engine.build  # noqa: F401  (imported before the baseline, so that it does not count as the engine's)
+
+    with open("/proc/self/statm") as statm:
+        resident_pages = int(statm.read().split()[1])
+    return resident_pages * resource.getpagesize() / 2**20
 
 
 def bench_with_load(path: Path, args: argparse.Namespace) -> int:

@@ -66,14 +66,17 @@ def time_decode(engine, depth_tokens: list[int], n_tokens: int, first_tokens: li
 
 def run_bench(path: Path, prompt_sizes: list[int], gen_sizes: list[int], repetitions: int, warmup: int,
               threads: int | None = None, kv_bits: int = 16, depths: tuple[int, ...] = (0,),
-              batch: int = 1) -> list[BenchResult]:
+              batch: int = 1, on_engine=None) -> list[BenchResult]:
     """Measure each ppN and tgN at each context depth `repetitions` times after `warmup` unrecorded runs; tgN
-    decodes `batch` sequences together (their tokens summed in the rate)."""
+    decodes `batch` sequences together (their tokens summed in the rate). `on_engine`, if given, is called with the
+    engine once it is built (a benchmark that reports its memory reads the KV pool's size there)."""
     from basert.engine import EngineOptions, build_engine
 
     max_context = max(depths) + max(prompt_sizes + gen_sizes + [16]) + 1
     engine = build_engine(path, EngineOptions(max_context=max_context, threads=threads, kv_bits=kv_bits,
                                               n_slots=batch, paged_kv=batch > 1))
+    if on_engine is not None:
+        on_engine(engine)
     rng = np.random.default_rng(0)
     results = []
     try:
