@@ -550,10 +550,22 @@ BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sy
     }
 }
 
+/* acc + the sums of the products of w's and a's 16-bit pairs, 32-bit lane by lane: what madd then add give, in one
+ * vpdpwssd (AVX512-VNNI, not saturating). Only the AVX-512 variant runs it, where the CPU has VNNI (bq_vnni): written
+ * as assembly so that the variant compiles for AVX-512 CPUs without it. */
+BASERT_ALWAYS_INLINE __m256i bq_dpwssd(__m256i acc, __m256i w, __m256i a) {
+#if defined(BASERT_AVX512)
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
+    return acc;
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a));
+#endif
+}
+
 /* y[c * ldy + 8 v + r] for C (1..BG_MR) activation rows qx + c * rb against NV panels (8-row groups of weight rows;
  * rows[v] of them stored) over blocks b0..b1: the running sums start from y when b0 > 0 (the sums of the blocks
  * before, as the previous pass left them), from 0 otherwise. */
-BASERT_ALWAYS_INLINE void bg_micro(const int C, const int NV, const int has_bias, const bg_panel *panel, const int *rows,
+BASERT_ALWAYS_INLINE void bg_micro(const int vnni, const int C, const int NV, const int has_bias, const bg_panel *panel, const int *rows,
                                    ptrdiff_t k, ptrdiff_t b0, ptrdiff_t b1, const uint8_t *qx, ptrdiff_t rb, float *y,
                                    ptrdiff_t ldy) {
     const int32_t *q[BG_MR];
@@ -586,11 +598,16 @@ BASERT_ALWAYS_INLINE void bg_micro(const int C, const int NV, const int has_bias
             for (int c = 0; c < C; c++) {
                 const __m256i av = _mm256_set1_epi32(q[c][16 * b + pr]);
                 for (int v = 0; v < NV; v++) {
-                    const __m256i prod = _mm256_madd_epi16(wv[v], av);
-                    tot[c][v] = pr == 0 ? prod : _mm256_add_epi32(tot[c][v], prod);
-                    /* One running sum per accumulator: the compiler's reassociation into a tree of the sixteen
-                     * products spills them all. */
-                    __asm__("" : "+x"(tot[c][v]));
+                    if (pr == 0) {
+                        tot[c][v] = _mm256_madd_epi16(wv[v], av);
+                    } else if (vnni) {
+                        tot[c][v] = bq_dpwssd(tot[c][v], wv[v], av);
+                    } else {
+                        tot[c][v] = _mm256_add_epi32(tot[c][v], _mm256_madd_epi16(wv[v], av));
+                        /* One running sum per accumulator: the compiler's reassociation into a tree of the sixteen
+                         * products spills them all. */
+                        __asm__("" : "+x"(tot[c][v]));
+                    }
                 }
             }
         }
@@ -618,14 +635,14 @@ BASERT_ALWAYS_INLINE void bg_micro(const int C, const int NV, const int has_bias
 }
 
 /* Activation rows c0..c1 against NV panels over blocks b0..b1. */
-BASERT_ALWAYS_INLINE void bg_cols(const int NV, const int has_bias, const bg_panel *panel, const int *rows, ptrdiff_t k,
+BASERT_ALWAYS_INLINE void bg_cols(const int vnni, const int NV, const int has_bias, const bg_panel *panel, const int *rows, ptrdiff_t k,
                                   ptrdiff_t b0, ptrdiff_t b1, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1,
                                   float *y, ptrdiff_t ldy) {
     ptrdiff_t c = c0;
-    for (; c + BG_MR <= c1; c += BG_MR) bg_micro(BG_MR, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy);
+    for (; c + BG_MR <= c1; c += BG_MR) bg_micro(vnni, BG_MR, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy);
     switch (c1 - c) {
 #define BG_TAIL(n)                                                                                                       \
-    case n: bg_micro(n < BG_MR ? n : 1, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy); break;
+    case n: bg_micro(vnni, n < BG_MR ? n : 1, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy); break;
     BG_TAIL(7) BG_TAIL(6) BG_TAIL(5) BG_TAIL(4) BG_TAIL(3) BG_TAIL(2) BG_TAIL(1)
 #undef BG_TAIL
     default: break;
@@ -634,7 +651,7 @@ BASERT_ALWAYS_INLINE void bg_cols(const int NV, const int has_bias, const bg_pan
 
 /* Weight rows r0..r1 against activation rows c0..c1: each BG_NV x 8 weight rows unpacked BG_KC blocks at a time, and
  * every activation row run against those blocks before the next ones. */
-BASERT_ALWAYS_INLINE void bg_rows(const int kind, const int type, const int sym, const basert_weight *w, const uint8_t *qx,
+BASERT_ALWAYS_INLINE void bg_rows(const int vnni, const int kind, const int type, const int sym, const basert_weight *w, const uint8_t *qx,
                                   ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy,
                                   bg_panel *panel) {
     const int has_bias = bq_has_bias(kind, type, sym);
@@ -649,9 +666,9 @@ BASERT_ALWAYS_INLINE void bg_rows(const int kind, const int type, const int sym,
         for (ptrdiff_t b0 = 0; b0 < blocks; b0 += BG_KC) {
             const ptrdiff_t b1 = blocks - b0 < BG_KC ? blocks : b0 + BG_KC;
             for (int v = 0; v < nv; v++) bg_unpack(kind, type, sym, w, row + v * BQ_ROWS, rows[v], b0, b1, &panel[v]);
-            if (nv == BG_NV) bg_cols(BG_NV, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
-            else if (nv == 2) bg_cols(2 < BG_NV ? 2 : 1, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
-            else bg_cols(1, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
+            if (nv == BG_NV) bg_cols(vnni, BG_NV, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
+            else if (nv == 2) bg_cols(vnni, 2 < BG_NV ? 2 : 1, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
+            else bg_cols(vnni, 1, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
         }
     }
 }
@@ -723,11 +740,18 @@ typedef void (*bq_kernel)(const basert_weight *, const uint8_t *, ptrdiff_t, ptr
 #if defined(BASERT_SIMD)
 typedef void (*bg_kernel)(const basert_weight *, const uint8_t *, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
                           float *, ptrdiff_t, bg_panel *);
-#define BG_KERNEL(name, kind, type, sym)                                                                                 \
-    static void name##_gemm(const basert_weight *w, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1,         \
-                            ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy, bg_panel *panel) {                     \
-        bg_rows(kind, type, sym, w, qx, rb, c0, c1, r0, r1, y, ldy, panel);                                              \
+#define BG_INSTANCE(name, vnni, kind, type, sym)                                                                         \
+    static void name(const basert_weight *w, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0,  \
+                     ptrdiff_t r1, float *y, ptrdiff_t ldy, bg_panel *panel) {                                          \
+        bg_rows(vnni, kind, type, sym, w, qx, rb, c0, c1, r0, r1, y, ldy, panel);                                        \
     }
+#if defined(BASERT_AVX512)
+#define BG_KERNEL(name, kind, type, sym)                                                                                 \
+    BG_INSTANCE(name##_gemm, 0, kind, type, sym)                                                                         \
+    BG_INSTANCE(name##_gemm_vnni, 1, kind, type, sym)
+#else
+#define BG_KERNEL(name, kind, type, sym) BG_INSTANCE(name##_gemm, 0, kind, type, sym)
+#endif
 #else
 #define BG_KERNEL(name, kind, type, sym)
 #endif
@@ -749,7 +773,16 @@ BQ_KERNEL(bq_q5_0, BASERT_BLOCKS, BASERT_GGML_Q5_0, 0)
 BQ_KERNEL(bq_q5_1, BASERT_BLOCKS, BASERT_GGML_Q5_1, 0)
 
 /* The kernel instance of a weight: its row-streaming one (*gemm NULL) and, in SIMD variants, its unpacking one. */
-#if defined(BASERT_SIMD)
+#if defined(BASERT_AVX512)
+/* Whether this CPU has AVX512-VNNI (vpdpwssd): checked once. */
+static int bq_vnni(void) {
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+    return known;
+}
+#define BQ_PICK(name) do { *gemm = bq_vnni() ? name##_gemm_vnni : name##_gemm; return name; } while (0)
+typedef bg_kernel bq_gemm_slot;
+#elif defined(BASERT_SIMD)
 #define BQ_PICK(name) do { *gemm = name##_gemm; return name; } while (0)
 typedef bg_kernel bq_gemm_slot;
 #else
