@@ -169,7 +169,7 @@ def test_quantized_matmul_bits(variant: str, spec: tuple, groups: str, m_values:
 @pytest.mark.parametrize("kind", sorted(matmul.BLOCK_KINDS))
 @pytest.mark.parametrize("path", ("integer", "exact"))
 def test_gguf_block_matmul_bits(variant: str, kind: str, path: str) -> None:
-    """Both paths of the GGUF blocks (Q2_K and Q3_K take the float path either way)."""
+    """Both paths of the GGUF blocks (Q2_K takes the float path either way)."""
     rng = np.random.default_rng(matmul.BLOCK_KINDS[kind])
     values = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
     k = 2 * values if values == 256 else 5 * values

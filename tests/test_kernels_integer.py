@@ -104,6 +104,13 @@ def gguf_ints(kind: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
             w[:, :, sub] = u
             a[:, :, sub] = f16(blk[..., 0:2]) * scale.astype(np.float32)
             b[:, :, sub] = -(f16(blk[..., 2:4]) * low.astype(np.float32))
+        elif kind == "Q3_K":
+            h, t = sub >> 2, sub & 3
+            low = (blk[..., 32 + 32 * h:][..., :32].astype(np.int64) >> (2 * t)) & 3
+            high = (blk[..., 0:32].astype(np.int64) >> sub) & 1
+            scales = np.stack([q3_k_scale(blk[..., 96:108], 2 * sub + half) for half in (0, 1)], axis=-1)
+            w[:, :, sub] = scales[..., j >> 4] * (low + 4 * high - 4)
+            a[:, :, sub] = f16(blk[..., 108:110])
         else:  # Q6_K
             h, t = sub >> 2, sub & 3
             low = (blk[..., 64 * h + 32 * (t & 1):][..., :32].astype(np.int64) >> (4 * (t >> 1))) & 15
@@ -112,7 +119,14 @@ def gguf_ints(kind: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
             w[:, :, sub] = scales[..., j >> 4] * ((low | (high << 4)) - 32)
             a[:, :, sub] = f16(blk[..., 208:210])
     return (w.reshape(n, k // 32, 32), a.reshape(n, -1),
-            None if kind == "Q6_K" else b.reshape(n, -1))
+            None if kind in ("Q3_K", "Q6_K") else b.reshape(n, -1))
+
+
+def q3_k_scale(packed: np.ndarray, index: int) -> np.ndarray:
+    """Q3_K's signed six-bit scale `index` (of 16) from its 12 packed bytes [..., 12], as blocks.h reads it."""
+    low = (packed[..., index & 7].astype(np.int64) >> (4 * (index >> 3))) & 15
+    high = (packed[..., 8 + (index & 3)].astype(np.int64) >> (2 * (index >> 2))) & 3
+    return (low | (high << 4)) - 32
 
 
 def integer_reference(x: np.ndarray, w: np.ndarray, a: np.ndarray, b: np.ndarray | None) -> np.ndarray:
@@ -215,7 +229,7 @@ def test_rows_do_not_depend_on_threads_or_fused_calls(case: tuple[str, int, bool
                 assert same_bits(a, b)
 
 
-GGUF_KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
+GGUF_KINDS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 
 
 @pytest.mark.parametrize("kind", GGUF_KINDS)

@@ -76,8 +76,9 @@ void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx, ptrdif
  * when d = 0), and the sum S of the block's 32 codes kept beside them. Every weight block of 32 values is read as
  * A * w + B with integer w: base_q4 / base_q8 in groups of 32, 64 or 128: A the group's scale, w the code u
  * (u - 2^(bits-1) when symmetric), B its bias; Q4_K / Q5_K: A = d * scale and B = -(dmin * min) of the sub-block,
- * w = u; Q6_K: A = d, w = scale * (u - 32) with the scale of each 16 values; Q5_0: A = d, w = u - 16; Q5_1: A = d,
- * w = u, B = m. It meets an activation row block by block:
+ * w = u; Q6_K: A = d, w = scale * (u - 32) with the scale of each 16 values; Q3_K: A = d, w = scale * (u - 4) with u
+ * the three-bit code (the two low bits, the hmask bit as 4) and the signed six-bit scale of each 16 values; Q5_0:
+ * A = d, w = u - 16; Q5_1: A = d, w = u, B = m. It meets an activation row block by block:
  *
  *     I = sum over the block of w * q                  an exact integer, however it is computed
  *     t = (A * d) * float(I)                           without B
@@ -98,10 +99,11 @@ void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx, ptrdif
 static inline ptrdiff_t basert_qrow_bytes(ptrdiff_t k) { return (2 * k + k / 8 + k / 8 + 63) & ~(ptrdiff_t)63; }
 
 /* Whether the weight can take the integer path: base_q4 / base_q8 with groups of a multiple of 32, and the GGUF
- * blocks Q4_K, Q5_K, Q6_K, Q5_0, Q5_1. */
+ * blocks Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1. */
 static inline int basert_integer_capable(const basert_weight *w) {
     if (w->kind == BASERT_BLOCKS)
-        return w->ggml_type == BASERT_GGML_Q4_K || w->ggml_type == BASERT_GGML_Q5_K || w->ggml_type == BASERT_GGML_Q6_K ||
+        return w->ggml_type == BASERT_GGML_Q3_K || w->ggml_type == BASERT_GGML_Q4_K || w->ggml_type == BASERT_GGML_Q5_K ||
+               w->ggml_type == BASERT_GGML_Q6_K ||
                w->ggml_type == BASERT_GGML_Q5_0 || w->ggml_type == BASERT_GGML_Q5_1;
     return (w->kind == BASERT_Q4 || w->kind == BASERT_Q8) && w->group_size % 32 == 0;
 }

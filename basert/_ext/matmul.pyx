@@ -1,6 +1,6 @@
 # cython: language_level=3
 """Matmul of float32 activations with .base weights, and embedding row lookup. Quantized weights (base_q4, base_q8
-in groups of 32, 64 or 128, and the GGUF blocks Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) meet the activations quantized to 16
+in groups of 32, 64 or 128, and the GGUF blocks Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) meet the activations quantized to 16
 bits in integer dot products (matmul.h states the contract); dense weights, and every weight of the exact path (BASERT_EXACT=1, `--exact`, or Weight(exact=True)),
 are de-quantized to float32 on the fly. GIL released, output rows split across OpenMP threads; every output value
 is bit-identical whatever the batch size, its row in the batch, the thread count or the CPU variant."""

@@ -1,5 +1,5 @@
 /* 16-bit activations and the integer dot products of quantized weights (matmul.h states the contract): base_q4 /
- * base_q8, and the GGUF blocks Q4_K, Q5_K, Q6_K, Q5_0, Q5_1.
+ * base_q8, and the GGUF blocks Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1.
  *
  * SIMD variants: eight weight rows at a time; each row's 32 integers of a block are split into two vectors of 16-bit
  * lanes, the even-numbered values and the odd-numbered ones (the order of the activation records), which meet the
@@ -148,6 +148,7 @@ static inline void bq_gguf_scales(const int type, const uint8_t *row, ptrdiff_t 
         break;
     }
     case BASERT_GGML_Q6_K: *a = basert_block_f16(blk + 208); *bias = 0.0f; break;
+    case BASERT_GGML_Q3_K: *a = basert_block_f16(blk + 108); *bias = 0.0f; break;
     case BASERT_GGML_Q5_1: *a = basert_block_f16(blk); *bias = basert_block_f16(blk + 2); break;
     default: *a = basert_block_f16(blk); *bias = 0.0f; break;
     }
@@ -165,6 +166,10 @@ static inline void bq_gguf_ints(const int type, const uint8_t *row, ptrdiff_t b,
             int u = (qs[j] >> (4 * (sub & 1))) & 15;
             if (five) u |= ((blk[16 + j] >> sub) & 1) << 4;
             w[j] = u;
+        } else if (type == BASERT_GGML_Q3_K) {
+            const int h = sub >> 2, t = sub & 3;
+            const int low = (blk[32 + 32 * h + j] >> (2 * t)) & 3, high = (blk[j] >> sub) & 1;
+            w[j] = basert_q3_k_scale(blk + 96, 2 * sub + (j >> 4)) * (low + 4 * high - 4);
         } else if (type == BASERT_GGML_Q6_K) {
             const int h = sub >> 2, t = sub & 3;
             const int low = (blk[64 * h + 32 * (t & 1) + j] >> (4 * (t >> 1))) & 15, high = (blk[128 + 32 * h + j] >> (2 * t)) & 3;
@@ -229,6 +234,20 @@ BASERT_ALWAYS_INLINE void bq_k_weights(const int type, const uint8_t *blk, const
         const __m256i u = _mm256_or_si256(bq_bytes(blk + 48 + 32 * (sub >> 1), 4 * (sub & 1), 15),
                                           _mm256_slli_epi16(bq_bytes(blk + 16, sub, 1), 4));
         bq_halves(u, even, odd);
+        return;
+    }
+    if (type == BASERT_GGML_Q3_K) {
+        const int h = sub >> 2, t = sub & 3;
+        /* Codes 0..7 byte by byte: the two low bits, and the hmask bit as 4. */
+        const __m256i u = _mm256_or_si256(bq_bytes(blk + 32 + 32 * h, 2 * t, 3), _mm256_slli_epi16(bq_bytes(blk, sub, 1), 2));
+        __m256i ue, uo;
+        bq_halves(u, &ue, &uo);
+        /* Lanes 0-7 of each half hold values of the first 16 (scale 2 sub), lanes 8-15 of the second. */
+        const __m256i mul = _mm256_set_m128i(_mm_set1_epi16((short)basert_q3_k_scale(blk + 96, 2 * sub + 1)),
+                                             _mm_set1_epi16((short)basert_q3_k_scale(blk + 96, 2 * sub)));
+        const __m256i off = _mm256_set1_epi16(4);
+        *even = _mm256_mullo_epi16(_mm256_sub_epi16(ue, off), mul);
+        *odd = _mm256_mullo_epi16(_mm256_sub_epi16(uo, off), mul);
         return;
     }
     /* Q6_K */
@@ -337,9 +356,10 @@ BASERT_ALWAYS_INLINE void bq_k_scales_mins(const uint8_t *packed, uint32_t out[4
  * starts a super-block and gn is 8: its sub-blocks. */
 BASERT_ALWAYS_INLINE void bq_gguf_run(const int type, const uint8_t *const *p, ptrdiff_t b0, ptrdiff_t gn, __m256 *a, __m256 *bias) {
     const ptrdiff_t bytes = basert_block_bytes(type);
-    if (type == BASERT_GGML_Q6_K) {
+    if (type == BASERT_GGML_Q6_K || type == BASERT_GGML_Q3_K) { /* one scale d per super-block */
+        const ptrdiff_t at = type == BASERT_GGML_Q6_K ? 208 : 108;
         float d[BQ_ROWS];
-        for (int r = 0; r < BQ_ROWS; r++) d[r] = bq_f16(p[r] + (b0 >> 3) * bytes + 208);
+        for (int r = 0; r < BQ_ROWS; r++) d[r] = bq_f16(p[r] + (b0 >> 3) * bytes + at);
         for (int j = 0; j < 8; j++) {
             a[j] = _mm256_loadu_ps(d);
             bias[j] = _mm256_setzero_ps();
@@ -769,6 +789,7 @@ BQ_KERNEL(bq_q8_asym, BASERT_Q8, 0, 0)
 BQ_KERNEL(bq_q4_k, BASERT_BLOCKS, BASERT_GGML_Q4_K, 0)
 BQ_KERNEL(bq_q5_k, BASERT_BLOCKS, BASERT_GGML_Q5_K, 0)
 BQ_KERNEL(bq_q6_k, BASERT_BLOCKS, BASERT_GGML_Q6_K, 0)
+BQ_KERNEL(bq_q3_k, BASERT_BLOCKS, BASERT_GGML_Q3_K, 0)
 BQ_KERNEL(bq_q5_0, BASERT_BLOCKS, BASERT_GGML_Q5_0, 0)
 BQ_KERNEL(bq_q5_1, BASERT_BLOCKS, BASERT_GGML_Q5_1, 0)
 
@@ -798,6 +819,7 @@ static bq_kernel bq_kernel_of(const basert_weight *w, bq_gemm_slot *gemm) {
     case BASERT_GGML_Q4_K: BQ_PICK(bq_q4_k);
     case BASERT_GGML_Q5_K: BQ_PICK(bq_q5_k);
     case BASERT_GGML_Q6_K: BQ_PICK(bq_q6_k);
+    case BASERT_GGML_Q3_K: BQ_PICK(bq_q3_k);
     case BASERT_GGML_Q5_0: BQ_PICK(bq_q5_0);
     default: BQ_PICK(bq_q5_1);
     }
