@@ -8,10 +8,15 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from basert.engine.engine import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +71,7 @@ def time_decode(engine, depth_tokens: list[int], n_tokens: int, first_tokens: li
 
 def run_bench(path: Path, prompt_sizes: list[int], gen_sizes: list[int], repetitions: int, warmup: int,
               threads: int | None = None, kv_bits: int = 16, depths: tuple[int, ...] = (0,),
-              batch: int = 1, on_engine=None) -> list[BenchResult]:
+              batch: int = 1, on_engine: Callable[[Engine], None] | None = None) -> list[BenchResult]:
     """Measure each ppN and tgN at each context depth `repetitions` times after `warmup` unrecorded runs; tgN
     decodes `batch` sequences together (their tokens summed in the rate). `on_engine`, if given, is called with the
     engine once it is built (a benchmark that reports its memory reads the KV pool's size there)."""

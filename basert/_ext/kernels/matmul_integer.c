@@ -1,13 +1,13 @@
 /* 16-bit activations and the integer dot products of quantized weights (matmul.h states the contract): base_q4 /
  * base_q8, and the GGUF blocks Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1.
  *
- * SIMD variants: eight weight rows at a time; each row's 32 integers of a block are split into two vectors of 16-bit
- * lanes, the even-numbered values and the odd-numbered ones (the order of the activation records), which meet the
- * activation block in two madds (Q6_K's scales multiplied in first); the eight rows' partial sums are folded into
- * one vector of eight exact block sums (lane r: weight row r), and the float operations run on those eight rows at
- * once. The portable variant computes the same integers and float operations row by row. */
+ * SIMD variants, one activation row (decode): eight weight rows at a time; each row's 32 integers of a block are split
+ * into two vectors of 16-bit lanes, the even-numbered values and the odd-numbered ones (the order of the activation
+ * records), which meet the activation block in two madds (Q3_K's and Q6_K's scales multiplied in first); the eight
+ * rows' partial sums are folded into one vector of eight exact block sums (lane r: weight row r), and the float
+ * operations run on those eight rows at once. Batches of two or more rows take the unpacking kernels further down
+ * (bg_*). The portable variant computes the same integers and float operations row by row. */
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "matmul.h"
@@ -265,8 +265,8 @@ BASERT_ALWAYS_INLINE void bq_k_weights(const int type, const uint8_t *blk, const
 }
 
 /* The integers of block b of a weight row as 16-bit lanes, the even-numbered values in *even and the odd-numbered
- * ones in *odd: codes u as stored, except Q6_K's scale * (u - 32); the offsets of symmetric base codes and Q5_0
- * (bq_offset) are taken off the block sum instead. */
+ * ones in *odd: codes u as stored, except Q6_K's scale * (u - 32) and Q3_K's scale * (u - 4); the offsets of
+ * symmetric base codes and Q5_0 (bq_offset) are the caller's to take off. */
 BASERT_ALWAYS_INLINE void bq_weights(const int kind, const int type, const uint8_t *row, ptrdiff_t b, __m256i *even,
                                      __m256i *odd) {
     if (kind == BASERT_Q4) {
@@ -393,6 +393,27 @@ BASERT_ALWAYS_INLINE void bq_gguf_run(const int type, const uint8_t *const *p, p
     bq_transpose8(bias);
 }
 
+/* Weight rows row .. row + 8 of w: their indices and first bytes (beyond R: row again, its sums never stored). */
+BASERT_ALWAYS_INLINE void bq_row_pointers(const basert_weight *w, ptrdiff_t row, int R, ptrdiff_t *rows, const uint8_t **p) {
+    for (int r = 0; r < BQ_ROWS; r++) {
+        rows[r] = row + (r < R ? r : 0);
+        p[r] = w->data + rows[r] * w->row_bytes;
+    }
+}
+
+/* The A and B of groups g0 .. g0 + gn (at most 8) of eight weight rows: scale[j][r], bias[j][r]. */
+BASERT_ALWAYS_INLINE void bq_scale_run(const int kind, const int type, const int has_bias, const basert_weight *w,
+                                       const ptrdiff_t *rows, const uint8_t *const *p, ptrdiff_t groups, ptrdiff_t g0,
+                                       ptrdiff_t gn, __m256 *scale, __m256 *bias) {
+    if (kind == BASERT_BLOCKS) {
+        bq_gguf_run(type, p, g0, gn, scale, bias);
+        return;
+    }
+    bq_group_run(w->scales, rows, groups, g0, gn, w->bf16_scales, scale);
+    if (has_bias) bq_group_run(w->biases, rows, groups, g0, gn, w->bf16_scales, bias);
+    else for (int j = 0; j < 8; j++) bias[j] = _mm256_setzero_ps();
+}
+
 /* acc + t for one block (matmul.h): the eight rows' partial sums folded into their exact block sums (less the offset
  * times the activation sum S), times A * d, plus (B * d) * S with a B. */
 BASERT_ALWAYS_INLINE __m256 bq_fold(const int has_bias, const int offset, const __m256i *part, __m256 sv, __m256 bv, float d,
@@ -416,10 +437,7 @@ BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym
     const ptrdiff_t prefetch_every = kind == BASERT_Q4 ? 4 : 2, ahead = BQ_ROWS * w->row_bytes; /* blocks; bytes */
     const uint8_t *p[BQ_ROWS];
     ptrdiff_t rows[BQ_ROWS];
-    for (int r = 0; r < BQ_ROWS; r++) {
-        rows[r] = row + (r < R ? r : 0); /* beyond R: row again, its sums never stored */
-        p[r] = w->data + rows[r] * w->row_bytes;
-    }
+    bq_row_pointers(w, row, R, rows, p);
     const int16_t *q = bq_codes(qx);
     const float *d = bq_scales(qx, k), *s = bq_sums(qx, k);
     __m256 acc = _mm256_setzero_ps();
@@ -427,13 +445,7 @@ BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym
     /* Eight groups' scales at a time (a super-block's sub-blocks for the 256-value types), then their blocks. */
     for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
         const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
-        if (gguf) {
-            bq_gguf_run(type, p, g0, gn, scale, bias);
-        } else {
-            bq_group_run(w->scales, rows, groups, g0, gn, w->bf16_scales, scale);
-            if (has_bias) bq_group_run(w->biases, rows, groups, g0, gn, w->bf16_scales, bias);
-            else for (int j = 0; j < 8; j++) bias[j] = _mm256_setzero_ps();
-        }
+        bq_scale_run(kind, type, has_bias, w, rows, p, groups, g0, gn, scale, bias);
         if (gguf && basert_block_values(type) == 256) {
             /* A super-block's eight sub-blocks written out: their offsets and shifts are constants. Its bytes of the
              * next eight rows prefetched a cache line at a time. */
@@ -493,12 +505,8 @@ BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym
  * the eight rows are kept beside them. The float operations per block are those of bq_block. */
 
 /* Activation rows and 8-row groups of weight rows per microkernel call at most. */
-#ifndef BG_MR
 #define BG_MR 4
-#endif
-#ifndef BG_NV
 #define BG_NV 2
-#endif
 
 /* Blocks of K per pass: a multiple of every weight's 8 groups of scales (groups of up to 128 values, 256-value
  * super-blocks), so that the panels of one pass (BG_NV x 36 KiB) stay in L2 beside the activation rows they meet. */
@@ -533,21 +541,12 @@ BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sy
     const ptrdiff_t prefetch_every = kind == BASERT_Q4 ? 4 : 2, ahead = BQ_ROWS * w->row_bytes;
     const uint8_t *p[BQ_ROWS];
     ptrdiff_t rows[BQ_ROWS];
-    for (int r = 0; r < BQ_ROWS; r++) {
-        rows[r] = row + (r < R ? r : 0);
-        p[r] = w->data + rows[r] * w->row_bytes;
-    }
+    bq_row_pointers(w, row, R, rows, p);
     const __m256i off = _mm256_set1_epi16((short)offset);
     __m256 scale[8], bias[8];
     for (ptrdiff_t g0 = b0 / per_group; g0 < b1 / per_group; g0 += 8) {
         const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
-        if (gguf) {
-            bq_gguf_run(type, p, g0, gn, scale, bias);
-        } else {
-            bq_group_run(w->scales, rows, groups, g0, gn, w->bf16_scales, scale);
-            if (has_bias) bq_group_run(w->biases, rows, groups, g0, gn, w->bf16_scales, bias);
-            else for (int j = 0; j < 8; j++) bias[j] = _mm256_setzero_ps();
-        }
+        bq_scale_run(kind, type, has_bias, w, rows, p, groups, g0, gn, scale, bias);
         for (ptrdiff_t j = 0; j < gn; j++) {
             for (ptrdiff_t i = 0; i < per_group; i++) {
                 const ptrdiff_t b = (g0 + j) * per_group + i;
@@ -661,10 +660,9 @@ BASERT_ALWAYS_INLINE void bg_cols(const int vnni, const int NV, const int has_bi
     ptrdiff_t c = c0;
     for (; c + BG_MR <= c1; c += BG_MR) bg_micro(vnni, BG_MR, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy);
     switch (c1 - c) {
-#define BG_TAIL(n)                                                                                                       \
-    case n: bg_micro(vnni, n < BG_MR ? n : 1, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy); break;
-    BG_TAIL(7) BG_TAIL(6) BG_TAIL(5) BG_TAIL(4) BG_TAIL(3) BG_TAIL(2) BG_TAIL(1)
-#undef BG_TAIL
+    case 3: bg_micro(vnni, 3, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy); break;
+    case 2: bg_micro(vnni, 2, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy); break;
+    case 1: bg_micro(vnni, 1, NV, has_bias, panel, rows, k, b0, b1, qx + c * rb, rb, y + c * ldy, ldy); break;
     default: break;
     }
 }
@@ -686,8 +684,8 @@ BASERT_ALWAYS_INLINE void bg_rows(const int vnni, const int kind, const int type
         for (ptrdiff_t b0 = 0; b0 < blocks; b0 += BG_KC) {
             const ptrdiff_t b1 = blocks - b0 < BG_KC ? blocks : b0 + BG_KC;
             for (int v = 0; v < nv; v++) bg_unpack(kind, type, sym, w, row + v * BQ_ROWS, rows[v], b0, b1, &panel[v]);
+            /* The last rows may fill one panel only. */
             if (nv == BG_NV) bg_cols(vnni, BG_NV, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
-            else if (nv == 2) bg_cols(vnni, 2 < BG_NV ? 2 : 1, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
             else bg_cols(vnni, 1, has_bias, panel, rows, k, b0, b1, qx, rb, c0, c1, y + row, ldy);
         }
     }
@@ -842,22 +840,19 @@ void basert_qmatmul(const basert_weight *w, const uint8_t *qx, ptrdiff_t m, ptrd
     const ptrdiff_t rb = basert_qrow_bytes(w->k);
 #if defined(BASERT_SIMD)
     if (m >= BG_MIN_M) {
-        /* Per panel: 16 vectors of integers and 2 of floats per block. */
-        char *mem = aligned_alloc(64, (size_t)(BG_NV * BG_KC * 18 * 32));
-        if (mem != NULL) {
-            bg_panel panel[BG_NV];
-            for (int v = 0; v < BG_NV; v++) {
-                panel[v].ints = (__m256i *)(void *)(mem + (ptrdiff_t)v * BG_KC * 18 * 32);
-                panel[v].a = (__m256 *)(void *)(panel[v].ints + 16 * BG_KC);
-                panel[v].b = panel[v].a + BG_KC;
-            }
-            /* Activation rows per pass: about 256 KiB of the blocks that one panel meets. */
-            const ptrdiff_t slice = w->k / 32 < BG_KC ? rb : BG_KC * (64 + 8);
-            const ptrdiff_t per = bq_cols_per_pass(slice, 262144);
-            for (ptrdiff_t c0 = 0; c0 < m; c0 += per) gemm(w, qx, rb, c0, c0 + per < m ? c0 + per : m, r0, r1, y, ldy, panel);
-            free(mem);
-            return;
+        /* Each thread's panels: 16 vectors of integers and 2 of floats per block (72 KiB), kept between calls. */
+        static _Thread_local __m256i mem[BG_NV][BG_KC * 18];
+        bg_panel panel[BG_NV];
+        for (int v = 0; v < BG_NV; v++) {
+            panel[v].ints = mem[v];
+            panel[v].a = (__m256 *)(void *)(mem[v] + 16 * BG_KC);
+            panel[v].b = panel[v].a + BG_KC;
         }
+        /* Activation rows per pass: about 256 KiB of the blocks that one panel meets. */
+        const ptrdiff_t slice = w->k / 32 < BG_KC ? rb : BG_KC * (64 + 8);
+        const ptrdiff_t per = bq_cols_per_pass(slice, 262144);
+        for (ptrdiff_t c0 = 0; c0 < m; c0 += per) gemm(w, qx, rb, c0, c0 + per < m ? c0 + per : m, r0, r1, y, ldy, panel);
+        return;
     }
 #endif
     const ptrdiff_t per = bq_cols_per_pass(rb, 65536);
