@@ -113,7 +113,8 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
 
 /* Columns r0..r1 of y[m, ldy] = x @ W^T for a weight with `integer` set, x given as m quantized rows (records of
  * basert_qrow_bytes(w->k) bytes from qx). One row (decode), and every batch in the portable variant: weight rows
- * eight at a time streamed against the activation row, a horizontal fold per block. Two or more (SIMD variants):
+ * eight at a time streamed against the activation row, a horizontal fold per block (on AVX-512, two blocks per
+ * 512-bit vector for base codes, Q4_K, Q5_K and Q6_K). Two or more (SIMD variants):
  * sixteen weight rows at a time unpacked into 16-bit pairs, one row per lane, 2,048 values at a time, and every
  * activation row run against them four at a time (no fold; vpdpwssd on AVX512-VNNI CPUs); the activation rows in
  * blocks that stay in L2. Both give the same bits. */

@@ -5,8 +5,8 @@
  * into two vectors of 16-bit lanes, the even-numbered values and the odd-numbered ones (the order of the activation
  * records), which meet the activation block in two madds (Q3_K's and Q6_K's scales multiplied in first); the eight
  * rows' partial sums are folded into one vector of eight exact block sums (lane r: weight row r), and the float
- * operations run on those eight rows at once. Batches of two or more rows take the unpacking kernels further down
- * (bg_*). The portable variant computes the same integers and float operations row by row. */
+ * operations run on those eight rows at once; the AVX-512 variant takes two blocks per vector where it can (bz_*).
+ * Batches of two or more rows take the unpacking kernels further down (bg_*). The portable variant computes the same integers and float operations row by row. */
 #include <math.h>
 #include <string.h>
 
@@ -414,16 +414,36 @@ BASERT_ALWAYS_INLINE void bq_scale_run(const int kind, const int type, const int
     else for (int j = 0; j < 8; j++) bias[j] = _mm256_setzero_ps();
 }
 
-/* acc + t for one block (matmul.h): the eight rows' partial sums folded into their exact block sums (less the offset
- * times the activation sum S), times A * d, plus (B * d) * S with a B. */
-BASERT_ALWAYS_INLINE __m256 bq_fold(const int has_bias, const int offset, const __m256i *part, __m256 sv, __m256 bv, float d,
-                                    float sum, __m256 acc) {
-    __m256i total = bq_sum8(part);
+/* acc + t for one block (matmul.h): the eight rows' exact block sums (less the offset times the activation sum S), times
+ * A * d, plus (B * d) * S with a B. */
+BASERT_ALWAYS_INLINE __m256 bq_fold_sums(const int has_bias, const int offset, __m256i total, __m256 sv, __m256 bv, float d,
+                                         float sum, __m256 acc) {
     if (offset) total = _mm256_sub_epi32(total, _mm256_set1_epi32(offset * (int32_t)sum));
     const __m256 dv = _mm256_set1_ps(d);
     __m256 t = _mm256_mul_ps(_mm256_mul_ps(sv, dv), _mm256_cvtepi32_ps(total));
     if (has_bias) t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_mul_ps(bv, dv), _mm256_set1_ps(sum)));
     return _mm256_add_ps(acc, t);
+}
+
+/* The same from the eight rows' partial sums, folded. */
+BASERT_ALWAYS_INLINE __m256 bq_fold(const int has_bias, const int offset, const __m256i *part, __m256 sv, __m256 bv, float d,
+                                    float sum, __m256 acc) {
+    return bq_fold_sums(has_bias, offset, bq_sum8(part), sv, bv, d, sum, acc);
+}
+
+/* acc + t for block b of eight weight rows p[r] (not a 256-value type) against activation codes q. */
+BASERT_ALWAYS_INLINE __m256 bq_single(const int kind, const int type, const int has_bias, const int offset,
+                                      const uint8_t *const *p, const int16_t *q, ptrdiff_t b, __m256 sv, __m256 bv, float d,
+                                      float sum, __m256 acc) {
+    const __m256i ae = bq_load32((const uint8_t *)(const void *)(q + 32 * b));
+    const __m256i ao = bq_load32((const uint8_t *)(const void *)(q + 32 * b + 16));
+    __m256i part[BQ_ROWS];
+    for (int r = 0; r < BQ_ROWS; r++) {
+        __m256i even, odd;
+        bq_weights(kind, type, p[r], b, &even, &odd);
+        part[r] = _mm256_add_epi32(_mm256_madd_epi16(even, ae), _mm256_madd_epi16(odd, ao));
+    }
+    return bq_fold(has_bias, offset, part, sv, bv, d, sum, acc);
 }
 
 /* y[row + r] for weight rows row + r (r < R <= 8) against one activation record qx (decode). Each row's codes meet the
@@ -474,15 +494,7 @@ BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym
                 /* The same codes of the next eight rows, about a cache line at a time. */
                 if ((b & (prefetch_every - 1)) == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
-                const __m256i ae = bq_load32((const uint8_t *)(const void *)(q + 32 * b));
-                const __m256i ao = bq_load32((const uint8_t *)(const void *)(q + 32 * b + 16));
-                __m256i part[BQ_ROWS];
-                for (int r = 0; r < BQ_ROWS; r++) {
-                    __m256i even, odd;
-                    bq_weights(kind, type, p[r], b, &even, &odd);
-                    part[r] = _mm256_add_epi32(_mm256_madd_epi16(even, ae), _mm256_madd_epi16(odd, ao));
-                }
-                acc = bq_fold(has_bias, offset, part, scale[j], bias[j], d[b], s[b], acc);
+                acc = bq_single(kind, type, has_bias, offset, p, q, b, scale[j], bias[j], d[b], s[b], acc);
             }
         }
     }
@@ -494,6 +506,177 @@ BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym
         for (int r = 0; r < R; r++) y[row + r] = out[r];
     }
 }
+
+#if defined(BASERT_AVX512)
+/* ---- AVX-512, one activation row: two blocks per 512-bit vector ----
+ *
+ * The integers of blocks b and b + 1 (b even) of a weight row in two vectors of 32 16-bit lanes: the even-numbered
+ * values of block b then of block b + 1, and the odd-numbered ones alike; the activation codes of the two blocks
+ * arranged the same way (once for eight rows). Two madds give 16 lanes per row, 8 per block, and the eight rows' lanes
+ * fold into the eight exact sums of each block, which take bq_fold_sums' float operations block by block: the same
+ * integers and float operations as bq_block, with half the vector operations per value. Base codes, Q4_K, Q5_K and
+ * Q6_K; the other types take bq_block. */
+
+/* Whether a weight takes the paired kernel. */
+#define BZ_PAIRS(kind, type) ((kind) != BASERT_BLOCKS || (type) == BASERT_GGML_Q4_K || (type) == BASERT_GGML_Q5_K || \
+                              (type) == BASERT_GGML_Q6_K)
+
+/* 32 bytes at p in both halves of a vector. */
+BASERT_ALWAYS_INLINE __m512i bz_dup(const uint8_t *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(const void *)p));
+}
+
+/* 16-bit lanes shifted right by `lo` bits in the low half, by `hi` bits in the high half, and masked to `mask`. */
+BASERT_ALWAYS_INLINE __m512i bz_field(__m512i v, int lo, int hi, int mask) {
+    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi16((short)mask));
+}
+
+/* The integers of blocks b, b + 1 (b even) of a weight row as bq_weights gives them, paired as above. */
+BASERT_ALWAYS_INLINE void bz_weights(const int kind, const int type, const uint8_t *row, ptrdiff_t b, __m512i *even,
+                                     __m512i *odd) {
+    if (kind == BASERT_Q4) {
+        /* Byte i of a block holds values 2i (low nibble) and 2i + 1 (high nibble). */
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(row + 16 * b)));
+        *even = _mm512_and_si512(v, _mm512_set1_epi16(15));
+        *odd = _mm512_srli_epi16(v, 4);
+        return;
+    }
+    if (kind == BASERT_Q8) {
+        const __m512i v = _mm512_loadu_si512((const void *)(row + 32 * b));
+        *even = _mm512_and_si512(v, _mm512_set1_epi16(255));
+        *odd = _mm512_srli_epi16(v, 8);
+        return;
+    }
+    const uint8_t *blk = row + (b >> 3) * basert_block_bytes(type);
+    const int sub = (int)(b & 7);
+    if (type == BASERT_GGML_Q4_K || type == BASERT_GGML_Q5_K) {
+        /* Sub-blocks sub and sub + 1: the low and the high nibbles of the same 32 bytes. */
+        const int five = type == BASERT_GGML_Q5_K;
+        const __m512i v = bz_dup(blk + (five ? 48 : 16) + 16 * sub);
+        *even = bz_field(v, 0, 4, 15);
+        *odd = bz_field(v, 8, 12, 15);
+        if (five) {
+            /* Bit sub (sub + 1) of byte j: the fifth bit of value j of sub-block sub (sub + 1). */
+            const __m512i h = bz_dup(blk + 16);
+            *even = _mm512_or_si512(*even, _mm512_slli_epi16(bz_field(h, sub, sub + 1, 1), 4));
+            *odd = _mm512_or_si512(*odd, _mm512_slli_epi16(bz_field(h, 8 + sub, 9 + sub, 1), 4));
+        }
+        return;
+    }
+    /* Q6_K: sub-blocks sub and sub + 1 have their low four bits in 64 consecutive bytes, shifted alike, and their high
+     * two bits in the same 32 bytes, two bits apart. */
+    const int h = sub >> 2, t = sub & 3;
+    const __m512i low = _mm512_loadu_si512((const void *)(blk + 64 * h));
+    const __m512i high = bz_dup(blk + 128 + 32 * h);
+    const __m512i nibble = _mm512_set1_epi16(15);
+    const __m512i ue = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4 * (t >> 1)), nibble),
+                                       _mm512_slli_epi16(bz_field(high, 2 * t, 2 * t + 2, 3), 4));
+    const __m512i uo = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 8 + 4 * (t >> 1)), nibble),
+                                       _mm512_slli_epi16(bz_field(high, 8 + 2 * t, 10 + 2 * t, 3), 4));
+    /* Lanes 0-7 of each block's half hold values of its first 16 values, lanes 8-15 of its second: scales 2 sub .. + 3
+     * in lanes 0-7, 8-15, 16-23, 24-31. */
+    int32_t four;
+    memcpy(&four, blk + 192 + 2 * sub, sizeof four);
+    const __m512i spread = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i mul = _mm512_permutexvar_epi16(spread, _mm512_castsi128_si512(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(four))));
+    const __m512i off = _mm512_set1_epi16(32);
+    *even = _mm512_mullo_epi16(_mm512_sub_epi16(ue, off), mul);
+    *odd = _mm512_mullo_epi16(_mm512_sub_epi16(uo, off), mul);
+}
+
+/* The eight rows' 16 lanes v[r] (lanes 0-7: block b, 8-15: block b + 1) folded: lane r of *first the sum of row r's
+ * lanes of block b, of *second of block b + 1. */
+BASERT_ALWAYS_INLINE void bz_sum8(const __m512i *v, __m256i *first, __m256i *second) {
+    __m512i t[4], u[2];
+    /* Within each 128-bit chunk: rows 2i and 2i + 1 interleaved and added (two sums of two lanes each), ... */
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    /* ... then four rows' chunk sums, one per lane (chunks 0-1: block b, 2-3: block b + 1) ... */
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    /* ... then the two chunks of each block added: rows 0-3 of b, of b + 1, rows 4-7 of b, of b + 1. */
+    const __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i ordered = _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0));
+    *first = _mm512_castsi512_si256(ordered);
+    *second = _mm512_extracti64x4_epi64(ordered, 1);
+}
+
+/* acc + t of blocks b and b + 1 (b even) of eight weight rows p[r] against activation codes q: their scales and biases
+ * sv0, bv0 and sv1, bv1. */
+BASERT_ALWAYS_INLINE __m256 bz_pair(const int kind, const int type, const int has_bias, const int offset,
+                                    const uint8_t *const *p, const int16_t *q, const float *d, const float *s, ptrdiff_t b,
+                                    __m256 sv0, __m256 bv0, __m256 sv1, __m256 bv1, __m256 acc) {
+    const __m512i a0 = _mm512_loadu_si512((const void *)(q + 32 * b)), a1 = _mm512_loadu_si512((const void *)(q + 32 * b + 32));
+    const __m512i ae = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0)), ao = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
+    __m512i part[BQ_ROWS];
+    for (int r = 0; r < BQ_ROWS; r++) {
+        __m512i even, odd;
+        bz_weights(kind, type, p[r], b, &even, &odd);
+        part[r] = _mm512_add_epi32(_mm512_madd_epi16(even, ae), _mm512_madd_epi16(odd, ao));
+    }
+    __m256i first, second;
+    bz_sum8(part, &first, &second);
+    acc = bq_fold_sums(has_bias, offset, first, sv0, bv0, d[b], s[b], acc);
+    return bq_fold_sums(has_bias, offset, second, sv1, bv1, d[b + 1], s[b + 1], acc);
+}
+
+/* bq_block for the weights of BZ_PAIRS, two blocks at a time. */
+BASERT_ALWAYS_INLINE void bz_block(const int kind, const int type, const int sym, const basert_weight *w, ptrdiff_t row,
+                                   int R, const uint8_t *qx, float *y) {
+    const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym), offset = bq_offset(kind, type, sym);
+    const ptrdiff_t k = w->k, blocks = k / 32, per_group = gguf ? 8 : w->group_size / 32;
+    const ptrdiff_t groups = gguf ? blocks / 8 : blocks / per_group;
+    const ptrdiff_t pair_bytes = gguf ? 0 : kind == BASERT_Q4 ? 32 : 64, ahead = BQ_ROWS * w->row_bytes;
+    const uint8_t *p[BQ_ROWS];
+    ptrdiff_t rows[BQ_ROWS];
+    bq_row_pointers(w, row, R, rows, p);
+    const int16_t *q = bq_codes(qx);
+    const float *d = bq_scales(qx, k), *s = bq_sums(qx, k);
+    __m256 acc = _mm256_setzero_ps();
+    __m256 scale[8], bias[8];
+    if (gguf) {
+        /* A super-block at a time: its eight sub-blocks' A and B, then its four pairs, the next eight rows' bytes of it
+         * prefetched a cache line per pair. */
+        const ptrdiff_t bytes = basert_block_bytes(type);
+        for (ptrdiff_t g = 0; g < groups; g++) {
+            bq_scale_run(kind, type, has_bias, w, rows, p, blocks, 8 * g, 8, scale, bias);
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j += 2) {
+                for (int r = 0; r < BQ_ROWS; r++) {
+                    if (32 * j < bytes) __builtin_prefetch(p[r] + ahead + g * bytes + 32 * j);
+                    if (j == 6) __builtin_prefetch(p[r] + ahead + g * bytes + bytes - 1);
+                }
+                acc = bz_pair(kind, type, has_bias, offset, p, q, d, s, 8 * g + j, scale[j], bias[j], scale[j + 1], bias[j + 1], acc);
+            }
+        }
+    } else {
+        /* Eight groups' scales at a time, then their blocks in pairs (a group of 32 values: a pair of groups), an odd
+         * last block alone. */
+        for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
+            const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8, end = (g0 + gn) * per_group;
+            bq_scale_run(kind, type, has_bias, w, rows, p, groups, g0, gn, scale, bias);
+            ptrdiff_t b = g0 * per_group;
+            for (; b + 2 <= end; b += 2) {
+                if ((b * pair_bytes / 2) % 64 == 0)
+                    for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * pair_bytes / 2);
+                const ptrdiff_t j0 = b / per_group - g0, j1 = (b + 1) / per_group - g0;
+                acc = bz_pair(kind, type, has_bias, offset, p, q, d, s, b, scale[j0], bias[j0], scale[j1], bias[j1], acc);
+            }
+            if (b < end) acc = bq_single(kind, type, has_bias, offset, p, q, b, scale[gn - 1], bias[gn - 1], d[b], s[b], acc);
+        }
+    }
+    if (R == BQ_ROWS) {
+        _mm256_storeu_ps(y + row, acc);
+    } else {
+        float out[BQ_ROWS];
+        _mm256_storeu_ps(out, acc);
+        for (int r = 0; r < R; r++) y[row + r] = out[r];
+    }
+}
+#endif
 
 /* ---- larger batches: weights unpacked once into 16-bit pairs, activation pairs broadcast ----
  *
@@ -738,6 +921,12 @@ BASERT_ALWAYS_INLINE void bq_rows(const int kind, const int type, const int sym,
     for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
         const int R = r1 - row < BQ_ROWS ? (int)(r1 - row) : BQ_ROWS;
 #if defined(BASERT_SIMD)
+#if defined(BASERT_AVX512)
+        if (BZ_PAIRS(kind, type)) {
+            for (ptrdiff_t c = c0; c < c1; c++) bz_block(kind, type, sym, w, row, R, qx + c * rb, y + c * ldy);
+            continue;
+        }
+#endif
         for (ptrdiff_t c = c0; c < c1; c++) bq_block(kind, type, sym, w, row, R, qx + c * rb, y + c * ldy);
 #else
         ptrdiff_t c = c0;
