@@ -69,17 +69,47 @@ def time_decode(engine, depth_tokens: list[int], n_tokens: int, first_tokens: li
     return time.perf_counter() - started
 
 
+def time_generation(engine, context: list[int], n_tokens: int, batch: int) -> float:
+    """`batch` requests generating n_tokens greedy tokens each after `context`, through the engine's scheduler
+    (speculative decoding as the engine is set up); the time from the first token on."""
+    from basert.engine.sampler import SamplingParams
+    from basert.engine.types import GenerationRequest, TokenEvent
+
+    for slot in range(batch):
+        engine.erase(slot)
+    greedy = SamplingParams(temperature=0)
+    requests = [GenerationRequest(f"bench{i}", [*context, i], n_tokens, greedy, ignore_eos=True)
+                for i in range(batch)]
+    started = None
+    for event in engine.generate(requests):
+        if started is None and isinstance(event, TokenEvent):
+            started = time.perf_counter()
+    return time.perf_counter() - started
+
+
+def repeating_context(rng: np.random.Generator, vocab_size: int, depth: int) -> list[int]:
+    """Text that repeats itself, so that drafts from the history are right: random tokens, then the same again
+    (at least 256 tokens before the repetition)."""
+    piece = rng.integers(0, vocab_size, max(depth, 256)).tolist()
+    return piece + piece[:16]
+
+
 def run_bench(path: Path, prompt_sizes: list[int], gen_sizes: list[int], repetitions: int, warmup: int,
               threads: int | None = None, kv_bits: int = 16, depths: tuple[int, ...] = (0,),
-              batch: int = 1, on_engine: Callable[[Engine], None] | None = None) -> list[BenchResult]:
+              batch: int = 1, on_engine: Callable[[Engine], None] | None = None,
+              spec: int | None = None) -> list[BenchResult]:
     """Measure each ppN and tgN at each context depth `repetitions` times after `warmup` unrecorded runs; tgN
     decodes `batch` sequences together (their tokens summed in the rate). `on_engine`, if given, is called with the
-    engine once it is built (a benchmark that reports its memory reads the KV pool's size there)."""
+    engine once it is built (a benchmark that reports its memory reads the KV pool's size there).
+
+    With `spec` (the most drafted tokens per step; 0: none), tgN generates through the engine's scheduler with
+    speculative decoding after a context that repeats itself, whose continuation the drafts can guess."""
     from basert.engine import EngineOptions, build_engine
 
-    max_context = max(depths) + max(prompt_sizes + gen_sizes + [16]) + 1
+    max_context = max(depths + (256,) if spec is not None else depths) + max(prompt_sizes + gen_sizes + [16]) + 32
     engine = build_engine(path, EngineOptions(max_context=max_context, threads=threads, kv_bits=kv_bits,
-                                              n_slots=batch, paged_kv=batch > 1))
+                                              n_slots=batch, paged_kv=batch > 1, continuous_batching=batch > 1,
+                                              spec_draft_max=spec or 0))
     if on_engine is not None:
         on_engine(engine)
     rng = np.random.default_rng(0)
@@ -95,11 +125,18 @@ def run_bench(path: Path, prompt_sizes: list[int], gen_sizes: list[int], repetit
                 seconds = [time_prefill(engine, context, tokens) for _ in range(repetitions)]
                 results.append(BenchResult(f"pp{n}{at}", n, seconds))
             for n in (n for n in gen_sizes if n > 0):
+                name = f"tg{n}{' x' + str(batch) if batch > 1 else ''}{at}"
+                if spec is not None:
+                    repeating = repeating_context(rng, engine.info.vocab_size, depth)
+                    for _ in range(warmup):
+                        time_generation(engine, repeating, n, batch)
+                    seconds = [time_generation(engine, repeating, n, batch) for _ in range(repetitions)]
+                    results.append(BenchResult(f"{name} spec{spec}", (n - 1) * batch, seconds))
+                    continue
                 first = rng.integers(0, engine.info.vocab_size, batch).tolist()
                 for _ in range(warmup):
                     time_decode(engine, context, n, first)
                 seconds = [time_decode(engine, context, n, first) for _ in range(repetitions)]
-                name = f"tg{n}{' x' + str(batch) if batch > 1 else ''}{at}"
                 results.append(BenchResult(name, n * batch, seconds))
     finally:
         engine.close()
@@ -149,11 +186,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.variant:
         use_variant(args.variant)
     path = model_path_for(args.model)
-    if min(args.depth) < 0 or args.batch < 1:
-        print("error: -d needs depths >= 0 and -b a batch >= 1", file=sys.stderr)
+    if min(args.depth) < 0 or args.batch < 1 or (args.spec is not None and not 0 <= args.spec <= 64):
+        print("error: -d needs depths >= 0, -b a batch >= 1 and --spec a K in [0, 64]", file=sys.stderr)
         return 2
     results = run_bench(path, args.n_prompt, args.n_gen, args.repetitions, args.warmup, args.threads,
-                        args.kv_bits, tuple(args.depth), args.batch)
+                        args.kv_bits, tuple(args.depth), args.batch, spec=args.spec)
     print(f"{cpu_model()} ({kernel_variant()} kernels), {args.threads or default_threads()} threads", file=sys.stderr)
     print(markdown_table(path.parent.parent.name if path.name == "model.base" else path.name,
                          path.stat().st_size, results))
@@ -182,4 +219,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variant", choices=("portable", "avx2", "avx512"),
                    help="the CPU variant of the kernels (default: the best this CPU runs; same as BASERT_CPU)")
     p.add_argument("--kv-bits", type=int, choices=(16, 32), default=16, help="KV element width (default 16)")
+    p.add_argument("--spec", type=int, metavar="K",
+                   help="speculative decoding mode: tgN generates greedily through the engine's scheduler with up "
+                   "to K drafted tokens per step (0: none, the comparison) after a context that repeats itself "
+                   "(random tokens, then their start again), so drafts from the history are right; the rate "
+                   "counts the tokens after the first")
     p.set_defaults(func=cmd_bench)

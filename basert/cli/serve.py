@@ -10,6 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
+from basert.engine.drafts import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX
 from basert.server.logs import RepeatedWarningFilter
 
 log = logging.getLogger("basert.serve")
@@ -102,6 +103,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling", choices=("mean", "last", "cls"), default="mean",
                    help="how /v1/embeddings pools the last hidden states of an input: mean, last token, or cls "
                    "(first token); the vector is L2-normalised (default mean)")
+    p.add_argument("--spec-draft-max", type=int, default=DEFAULT_DRAFT_MAX, metavar="K",
+                   help="speculative decoding: a decoding request may feed up to K drafted tokens after its next "
+                   "token in the same forward, drafted from what followed its last few tokens earlier in its "
+                   "prompt and output (and in other requests' outputs); the sampler's own picks decide, so the "
+                   "output is exactly the same as without, only faster where text repeats. Each request adapts "
+                   f"its K to how its drafts fare (default {DEFAULT_DRAFT_MAX}, at most {MAX_DRAFT_MAX})")
+    p.add_argument("--no-spec", dest="spec_draft_max", action="store_const", const=0,
+                   help="no speculative decoding (same as --spec-draft-max 0); a request can also turn it off "
+                   "with \"speculative\": false")
     p.add_argument("--replica", type=int, metavar="K",
                    help="serve as replica K of a cluster (`basert cluster` sets it): the prefix cache file becomes "
                    "PATH.<K> (PATH.<model id>.<K> with several models), so a restarted replica warms from its own "
@@ -136,6 +146,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return "--rate-limit must be >= 0"
     if args.drain_timeout < 0:
         return "--drain-timeout must be >= 0"
+    if not 0 <= args.spec_draft_max <= MAX_DRAFT_MAX:
+        return f"--spec-draft-max must be in [0, {MAX_DRAFT_MAX}]"
     if args.alias and len(model_specs(args)) > 1:
         return "--alias names the one served model: it cannot be used with several models"
     return None
@@ -189,6 +201,7 @@ def engine_options(args: argparse.Namespace):
         replica=args.replica,
         verify_checksums=args.verify_checksums,
         pooling=args.pooling,
+        spec_draft_max=args.spec_draft_max,
     ).resolved()
 
 

@@ -11,7 +11,9 @@ Where a request goes:
 3. Each `Engine.step(plan)` (engine.py) runs one batched forward over the chunks the scheduler
    (scheduler.py, pure policy) planned, samples (sampler.py), and turns tokens into text, stop strings,
    limits and timings through the request's `RequestOutput` (output.py, detokenizer.py); it returns
-   `TokenEvent`s, then a `FinishEvent` or `FailEvent`.
+   `TokenEvent`s, then a `FinishEvent` or `FailEvent`. A decoding slot's next token may go with drafted tokens
+   (drafts.py: n-gram matches in its history and in other requests' outputs), kept only where the sampler
+   picks them itself: speculative decoding, which never changes an output.
 4. Drivers: `Engine.generate(requests)` runs requests to completion synchronously (basert.Model, the CLI,
    tools, tests); the server's actor calls `admit`, `cancel` and `step` itself between admin messages.
 5. `Engine.embed(token_lists, pooling)` (embeddings.py) pools the last hidden states of each input, run as a

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from basert.engine.drafts import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX
 from basert.engine.embeddings import POOLINGS
 from basert.engine.engine import Engine
 from basert.engine.info import ModelInfo
@@ -46,6 +47,7 @@ class EngineOptions:
     model_id: str | None = None         # default: see model_id_for
     token_budget: int = DEFAULT_TOKEN_BUDGET
     pooling: str = "mean"               # of embeddings: mean, last or cls (the first token)
+    spec_draft_max: int = DEFAULT_DRAFT_MAX  # most drafted tokens per decode step; 0: no speculative decoding
 
     def resolved(self) -> EngineOptions:
         """The options with their implications applied: a cache file implies the prefix cache; the prefix
@@ -70,6 +72,8 @@ class EngineOptions:
             raise ValueError("token_budget must be at least 1")
         if self.replica is not None and self.replica < 0:
             raise ValueError("replica must be >= 0")
+        if not 0 <= self.spec_draft_max <= MAX_DRAFT_MAX:
+            raise ValueError(f"spec_draft_max must be in [0, {MAX_DRAFT_MAX}]")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}")
 
@@ -109,7 +113,7 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
             cache_file = cache_file_of(options, model_id)
         return Engine(runner, tokenizer, info, prefix_cache=prefix_cache, prefix_cache_file=cache_file,
                       max_running=options.n_slots if options.continuous_batching else 1,
-                      token_budget=options.token_budget)
+                      token_budget=options.token_budget, draft_max=options.spec_draft_max)
     except BaseException:
         runner.close()
         raise

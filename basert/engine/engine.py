@@ -8,6 +8,15 @@ Synchronous and free of trio. Two ways to drive it:
 
 A step feeds each planned slot a chunk of its prompt or its last sampled token, samples from the logits,
 and turns the tokens into events through each request's `RequestOutput`.
+
+Speculative decoding: a decoding slot's last sampled token goes with up to K drafted tokens (`drafts.py`), all
+fed in the same forward with logits at every position. The sampler then picks the token of each position in
+turn, exactly as it would have one step at a time (the same logits bits: a position's logits do not depend on
+the chunk it is computed in; the same history for penalties; the same random draws, one per sampled token), and
+the drafts are kept while they equal its picks: the first pick that differs is the next token, as without
+drafts. What the rejected drafts computed leaves no trace: their KV rows are truncated before any block reaches
+the prefix cache, and a hybrid's recurrent state is restored from a copy taken before the forward and advanced
+over the accepted tokens again.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from basert.engine.drafts import DEFAULT_DRAFT_MAX, NGRAM_SIZES, Drafter, SharedNgrams
 from basert.engine.embeddings import POOLINGS, check_inputs, hidden_states, input_batches, pooled
 from basert.engine.info import ModelInfo
 from basert.engine.kv import BLOCK_SIZE, blocks_for
@@ -28,6 +38,7 @@ from basert.engine.runner import ContextOverflowError, ForwardRequest, ModelRunn
 from basert.engine.sampler import Sampler
 from basert.engine.saved_state import SnapshotInfo, load_prefix_cache, restore_slot, save_prefix_cache, save_slot
 from basert.engine.scheduler import DEFAULT_TOKEN_BUDGET, plan_step
+from basert.engine.sequence import RecurrentState
 from basert.engine.slots import Running, Slot, Slots
 from basert.engine.types import (
     Event,
@@ -51,7 +62,8 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, info: ModelInfo, *,
                  prefix_cache: PrefixCache | None = None, prefix_cache_file: Path | None = None,
-                 max_running: int = 1, token_budget: int = DEFAULT_TOKEN_BUDGET):
+                 max_running: int = 1, token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 draft_max: int = DEFAULT_DRAFT_MAX):
         self.runner = runner
         self.tokenizer = tokenizer
         self.info = info
@@ -61,6 +73,8 @@ class Engine:
         self.max_running = max_running      # requests generating at once (continuous batching: every slot)
         self.token_budget = token_budget    # most tokens one step feeds
         self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()
+        self.draft_max = draft_max          # most drafted tokens per step; 0: no speculative decoding
+        self.shared_ngrams = SharedNgrams(draft_max) if draft_max else None
         self._admissions = 0
 
     # --- admission ----------------------------------------------------------------------------
@@ -97,7 +111,13 @@ class Engine:
             order=self._admissions,
             stops=self.slots.capture_points(request, reused),
             cache_version=self.prefix_cache.version if self.prefix_cache is not None else -1,
+            drafter=self._drafter_for(request),
         )
+
+    def _drafter_for(self, request: GenerationRequest) -> Drafter | None:
+        """The request's drafter, None when it decodes without speculation."""
+        limit = self.draft_max if request.draft_max is None else min(self.draft_max, request.draft_max)
+        return Drafter(limit, self.shared_ngrams) if request.speculative and limit > 0 else None
 
     def check(self, request: GenerationRequest) -> None:
         """Raise when a request can never run on this engine (its sampling parameters are checked by the
@@ -162,9 +182,24 @@ class Engine:
                     if stop > seq.n_past:
                         max_chunk = min(max_chunk, stop - seq.n_past)
                         break
+            else:
+                running.draft = self._draft(slot)
+                max_chunk = 1 + len(running.draft)
             statuses.append(SlotStatus(slot.index, not running.pending, max_chunk, seq.n_past,
                                        seq.block_table.n_blocks, running.order, self.slots.waits_for_prefix(slot)))
         return statuses
+
+    def _draft(self, slot: Slot) -> list[int]:
+        """The tokens to try after a decoding slot's next token: none beyond the context, the request's token
+        limit or the step's token budget."""
+        running = slot.running
+        if running.drafter is None:
+            return []
+        seq = slot.sequence
+        room = min(self.runner.max_context - seq.n_past - 1,
+                   running.request.max_tokens - len(running.output.generated) - 1,
+                   self.token_budget - 1)
+        return running.drafter.propose(seq.tokens, running.next_token, room)
 
     def step(self, plan: StepPlan) -> list[Event]:
         """Carry out one plan: finish starved slots, preempt, then one forward over the planned chunks."""
@@ -181,7 +216,7 @@ class Engine:
             if running is None:
                 continue
             if not running.pending:
-                work.append((slot, [running.next_token], True))
+                work.append((slot, [running.next_token, *running.draft[: n_tokens - 1]], True))
                 continue
             chunk = running.pending[:n_tokens]
             last = len(chunk) == len(running.pending)
@@ -190,7 +225,12 @@ class Engine:
             return events
         self.slots.make_room(sum(blocks_for(slot.sequence.n_past + len(chunk)) - slot.sequence.block_table.n_blocks
                                  for slot, chunk, _ in work))
-        requests = [ForwardRequest(slot.sequence, chunk, "last" if wants else "none") for slot, chunk, wants in work]
+        # Logits of the last position, or of every position where drafts follow the next token.
+        requests = [ForwardRequest(slot.sequence, chunk, "all" if len(chunk) > 1 and not slot.running.pending else
+                                   "last" if wants else "none") for slot, chunk, wants in work]
+        # A hybrid's state before its drafts, to go back to when some are rejected.
+        before = {slot.index: slot.sequence.recurrent.clone() for slot, chunk, _ in work
+                  if not slot.running.pending and len(chunk) > 1 and slot.sequence.recurrent is not None}
         start = time.monotonic()
         for slot, _, _ in work:
             if not slot.running.output.prefill_started:
@@ -200,8 +240,12 @@ class Engine:
         except Exception as exc:
             return events + self._fail(work, exc)
         now = time.monotonic()
+        redo: list[tuple[Slot, list[int]]] = []
         for (slot, chunk, wants), logits in zip(work, results):
             running = slot.running
+            if not running.pending:
+                events.extend(self._verify(slot, chunk, logits, now, before.get(slot.index), redo))
+                continue
             self.slots.register_blocks(slot.sequence)
             if running.pending:
                 del running.pending[: len(chunk)]
@@ -219,28 +263,85 @@ class Engine:
                 events.extend(self._sample(slot, logits[0], now))
             except Exception as exc:
                 events.extend(self._fail([(slot, chunk, wants)], exc))
+        if redo:
+            events.extend(self._advance_again(redo))
         return events
 
-    def _sample(self, slot: Slot, logits: np.ndarray, now: float) -> list[Event]:
+    def _verify(self, slot: Slot, chunk: list[int], logits: np.ndarray, now: float, before: RecurrentState | None,
+                redo: list[tuple[Slot, list[int]]]) -> list[Event]:
+        """Sample a decoding slot's positions in turn while its drafts (chunk[1:]) are the sampler's picks; drop
+        what the rest computed (a hybrid's accepted tokens go into `redo`, to be fed again from `before`)."""
+        running = slot.running
+        seq = slot.sequence
+        start = seq.n_past - len(chunk)
+        drafted = len(chunk) - 1
+        running.next_token = None
+        running.output.draft_n += drafted
+        events: list[Event] = []
+        kept = start + 1
+        try:
+            for i, row in enumerate(logits):
+                kept = start + i + 1
+                events.extend(self._sample(slot, row, now, kept))
+                if slot.running is None or i == drafted or running.next_token != chunk[i + 1]:
+                    break
+                running.next_token = None
+                running.output.draft_n_accepted += 1
+        except Exception as exc:
+            events.extend(self._fail([(slot, chunk, True)], exc))
+            return events
+        if running.drafter is not None:
+            running.drafter.update(drafted, kept - start - 1)
+        if kept < seq.n_past:
+            if before is None:
+                self.runner.truncate_kv(seq, kept)
+            else:
+                seq.recurrent.copy_from(before)
+                self.runner.truncate_kv(seq, start)
+                redo.append((slot, chunk[: kept - start]))
+                return events
+        self.slots.register_blocks(seq)
+        return events
+
+    def _advance_again(self, redo: list[tuple[Slot, list[int]]]) -> list[Event]:
+        """Feed hybrid slots' accepted tokens again after their rejected drafts were undone."""
+        try:
+            self.runner.forward([ForwardRequest(slot.sequence, tokens, "none") for slot, tokens in redo])
+        except Exception as exc:
+            return self._fail([(slot, tokens, False) for slot, tokens in redo], exc)
+        for slot, _ in redo:
+            self.slots.register_blocks(slot.sequence)
+        return []
+
+    def _sample(self, slot: Slot, logits: np.ndarray, now: float, n_past: int | None = None) -> list[Event]:
+        """Choose the token after the first n_past tokens of the slot's history (default: all of them)."""
         running = slot.running
         request, output = running.request, running.output
+        seq = slot.sequence
+        n_past = seq.n_past if n_past is None else n_past
         if request.constraint is not None:
             request.constraint.apply(logits)
-        token, logprob = running.sampler.sample(logits, slot.sequence.tokens)
+        history = seq.tokens if n_past == seq.n_past or not running.sampler.uses_history else seq.tokens[:n_past]
+        token, logprob = running.sampler.sample(logits, history)
         if not output.first_token_at:
             output.first_token_at = now
         if token in self.eos_ids and not request.ignore_eos:
             return [self._finish(slot, "stop", now)]
         if request.constraint is not None:
             request.constraint.consume(token)
-        finish = output.add(token, slot.sequence.n_past + 1 >= self.runner.max_context, now)
+        finish = output.add(token, n_past + 1 >= self.runner.max_context, now)
         if finish is None:
             running.next_token = token
             return [TokenEvent(request.request_id, token, output.releasable(), logprob)]
         return [TokenEvent(request.request_id, token, output.release_rest(), logprob), self._finish(slot, finish, now)]
 
     def _finish(self, slot: Slot, reason: str, now: float) -> FinishEvent:
-        output = slot.running.output
+        running = slot.running
+        output = running.output
+        if self.shared_ngrams is not None and running.drafter is not None and output.generated:
+            # Other requests may write what this one did: its output, after the prompt's last n-gram.
+            lead = running.request.prompt[-NGRAM_SIZES[0]:]
+            self.shared_ngrams.learn([*lead, *output.generated])
         tail, usage, timings = output.close(now)
         self.slots.retire(slot)
         return FinishEvent(output.request.request_id, reason, tail, usage, timings, slot.index, output.timed_out,

@@ -20,7 +20,7 @@ class RequestOutput:
 
     __slots__ = ("request", "detokenizer", "generated", "text", "released", "cached_tokens", "started",
                  "prefill_started", "prefill_done", "first_token_at", "last_token_at", "timed_out", "stop_word",
-                 "prompt_not_computed")
+                 "prompt_not_computed", "draft_n", "draft_n_accepted")
 
     def __init__(self, request: GenerationRequest, tokenizer: Tokenizer | None, cached_tokens: int):
         self.request = request
@@ -37,6 +37,8 @@ class RequestOutput:
         self.timed_out = False
         self.stop_word = ""              # the stop string that ended the generation
         self.prompt_not_computed = 0     # prompt tokens left unfed when the deadline stopped the prefill
+        self.draft_n = 0                 # drafted tokens fed (speculative decoding) ...
+        self.draft_n_accepted = 0        # ... and accepted
 
     def add(self, token: int, context_full: bool, now: float) -> str | None:
         """Append a generated token (not an end-of-sequence); the finish reason it causes, or None."""
@@ -88,6 +90,8 @@ class RequestOutput:
             predicted_n=len(self.generated),
             predicted_ms=1000 * ((self.last_token_at or prefill_end) - prefill_end),
             ttft_ms=1000 * ((self.first_token_at or now) - self.started),
+            draft_n=self.draft_n,
+            draft_n_accepted=self.draft_n_accepted,
         )
         return tail, Usage(len(prompt), self.cached_tokens, len(self.generated)), timings
 

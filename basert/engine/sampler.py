@@ -174,6 +174,11 @@ class Sampler:
         self._scratch = np.empty(vocab_size, np.float64) if needs_scratch else None
         self._mask = np.empty(vocab_size, np.bool_) if needs_scratch else None
 
+    @property
+    def uses_history(self) -> bool:
+        """Whether `sample` reads the history (repeat, presence or frequency penalties)."""
+        return self._repeat or self._counts
+
     def adjust(self, logits: np.ndarray, history: Sequence[int] | np.ndarray) -> np.ndarray:
         """Return logits after logit_bias and penalties: the sampler's reused buffer, or `logits` itself if none
         apply."""

@@ -1,9 +1,10 @@
 """Scheduling policy of one engine: which slots advance in the next step, and by how many tokens.
 
 Pure functions of the slots' status, so they are tested without a model. Decoding slots go first (one
-token each), then prefill chunks of the oldest requests up to the step's token budget (a slot whose
-prompt prefix an older slot is computing waits, to adopt those blocks from the prefix cache). KV blocks are
-granted oldest first; a slot that gets none waits. When no slot can move at all, the youngest slot that
+token each, and as many of its drafts after it as the budget and the KV blocks allow), then prefill chunks of
+the oldest requests up to the step's token budget (a slot whose prompt prefix an older slot is computing
+waits, to adopt those blocks from the prefix cache). KV blocks are granted oldest first; a slot that gets
+none waits. When no slot can move at all, the youngest slot that
 holds blocks is preempted (its KV is dropped and recomputed later), and a slot that could not grow even
 with the whole pool is finished.
 """
@@ -27,12 +28,13 @@ def plan_step(slots: Sequence[SlotStatus], available_blocks: int,
     for slot in sorted(slots, key=lambda slot: (not slot.decoding, slot.order)):
         if slot.waits_for_prefix:
             continue
-        want = 1 if slot.decoding else min(slot.max_chunk, budget)
+        # A decoding slot feeds its next token and any drafts after it (drafts only as far as room allows).
+        want = max(1, min(slot.max_chunk, budget)) if slot.decoding else min(slot.max_chunk, budget)
         if want <= 0:
             continue
         fits = (slot.n_blocks + available_blocks) * BLOCK_SIZE - slot.n_past
         if want > fits:
-            if slot.decoding or fits <= 0:
+            if fits <= 0:
                 stuck.append(slot)
                 continue
             want = fits

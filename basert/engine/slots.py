@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from basert.engine.drafts import Drafter
 from basert.engine.kv import BLOCK_SIZE
 from basert.engine.output import RequestOutput
 from basert.engine.prefix_cache import ROOT_KEY, CacheHit, PrefixCache
@@ -51,6 +52,8 @@ class Running:
     stops: list[int] = field(default_factory=list)  # positions where the recurrent state is captured, ascending
     cache_version: int = -1         # prefix-cache version this slot last looked up
     next_token: int | None = None   # sampled, not yet fed
+    drafter: Drafter | None = None  # speculative decoding's drafts (None: the request decodes without)
+    draft: list[int] = field(default_factory=list)  # tokens to try after next_token in the next step
 
 
 class Slot:

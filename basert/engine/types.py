@@ -46,6 +46,8 @@ class GenerationRequest:
     # Stop ("stop", the text kept) once this says the output text so far is complete: where a chat turn's tool
     # calls end, for example. One per request: it may follow the text as it grows.
     stop_after: OutputStop | None = None
+    speculative: bool = True               # drafts may be tried (the output is the same either way) ...
+    draft_max: int | None = None           # ... at most this many per step (None: the engine's limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,8 @@ class Timings:
     predicted_n: int = 0
     predicted_ms: float = 0.0       # from the first generated token to the last: `decode_steps` steps
     ttft_ms: float = 0.0
+    draft_n: int = 0                # drafted tokens fed (speculative decoding)
+    draft_n_accepted: int = 0       # of those, the ones the sampler picked itself
 
     @property
     def decode_steps(self) -> int:
@@ -77,6 +81,8 @@ class Timings:
             "predicted_n": self.predicted_n,
             "predicted_ms": self.predicted_ms,
             "predicted_per_second": 1000 * self.decode_steps / self.predicted_ms if self.predicted_ms > 0 else 0.0,
+            "draft_n": self.draft_n,
+            "draft_n_accepted": self.draft_n_accepted,
         }
 
 
@@ -117,7 +123,7 @@ class SlotStatus:
 
     slot: int
     decoding: bool          # feeds one sampled token next
-    max_chunk: int          # most prompt tokens the next forward may feed (0 while decoding)
+    max_chunk: int          # most tokens the next forward may feed: prompt tokens, or the next token and its drafts
     n_past: int
     n_blocks: int
     order: int              # admission order: lower is older

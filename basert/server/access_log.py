@@ -27,6 +27,8 @@ class RequestRecord:
     ttft_ms: float = 0.0
     finish_reason: str = ""
     timed_out: bool = False
+    draft_tokens: int = 0
+    draft_accepted_tokens: int = 0
 
     def absorb(self, done_list: list[FinishEvent]) -> None:
         if not done_list:
@@ -41,6 +43,8 @@ class RequestRecord:
         self.ttft_ms = first.timings.ttft_ms
         self.finish_reason = ",".join(sorted({d.finish_reason for d in done_list}))
         self.timed_out = any(d.timed_out for d in done_list)
+        self.draft_tokens = sum(d.timings.draft_n for d in done_list)
+        self.draft_accepted_tokens = sum(d.timings.draft_n_accepted for d in done_list)
 
 
 def log_request(metrics: ServerMetrics, endpoint: str, status: int, started: float, record: RequestRecord | None,
@@ -54,6 +58,8 @@ def log_request(metrics: ServerMetrics, endpoint: str, status: int, started: flo
         metrics.prompt_tokens.labels(r.model).inc(r.prompt_tokens)
         metrics.cached_tokens.labels(r.model).inc(r.cached_tokens)
         metrics.generated_tokens.labels(r.model).inc(r.completion_tokens)
+        metrics.draft_tokens.labels(r.model).inc(r.draft_tokens)
+        metrics.draft_accepted_tokens.labels(r.model).inc(r.draft_accepted_tokens)
         if r.ttft_ms:
             metrics.ttft.labels(r.model).observe(r.ttft_ms / 1000)
     access_log.info(

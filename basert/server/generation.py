@@ -63,6 +63,8 @@ def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int],
             deadline=deadline,
             segment_ends=segment_ends,
             stop_after=stop_after() if stop_after else None,
+            speculative=body.speculative,
+            draft_max=body.speculative_n_max,
         ))
     return requests
 

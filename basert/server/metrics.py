@@ -17,6 +17,10 @@ class ServerMetrics:
                                      registry=self.registry)
         self.generated_tokens = Counter("basert_generated_tokens", "tokens generated", ["model"],
                                         registry=self.registry)
+        self.draft_tokens = Counter("basert_draft_tokens", "drafted tokens fed for verification (speculative "
+                                    "decoding)", ["model"], registry=self.registry)
+        self.draft_accepted_tokens = Counter("basert_draft_accepted_tokens", "drafted tokens the sampler picked "
+                                             "itself (speculative decoding)", ["model"], registry=self.registry)
         self.ttft = Histogram("basert_time_to_first_token_seconds", "time to first token", ["model"],
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.latency = Histogram("basert_request_latency_seconds", "request latency", ["endpoint"],

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+
+from basert.engine.drafts import MAX_DRAFT_MAX
 
 # Token ids as logit_bias keys: ASCII digits only ("²", "①" and "٣" are digits to str.isdigit).
 TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")
@@ -104,6 +106,10 @@ class SamplingFields(Lenient):
     logit_bias: dict[str, float] | None = None
     id_slot: int | None = Field(default=None, ge=-1)     # -1: any slot, as in llama.cpp
     ignore_eos: bool = False
+    # Speculative decoding (the output is the same either way): false turns it off for this request;
+    # llama.cpp's `speculative.n_max` lowers the most drafted tokens per step.
+    speculative: StrictBool = True
+    speculative_n_max: StrictInt | None = Field(default=None, ge=0, le=MAX_DRAFT_MAX, alias="speculative.n_max")
     # Constrained output, one at a time: llama.cpp's GBNF `grammar` and `json_schema`, OpenAI's `response_format`.
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None

@@ -1,0 +1,309 @@
+"""Speculative decoding never changes an output: with drafts on, every request gives the same tokens and the same
+logprob bits as with drafts off, on every model family (dense, Gemma 3's sliding windows, hybrid, MoE), greedy and
+seeded, alone and batched, with penalties, stop strings, grammars and the prefix cache; and the drafts are really
+tried and accepted. Then the drafter on its own, and the server's fields and flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import SMOLLM2_CHAT_FLAGS
+
+from basert.chat.grammar import GrammarFactory
+from basert.engine.build import EngineOptions, build_engine
+from basert.engine.drafts import NGRAM_SIZES, Drafter, SharedNgrams
+from basert.engine.engine import Engine
+from basert.engine.sampler import SamplingParams
+from basert.engine.types import FailEvent, FinishEvent, GenerationRequest, TokenEvent
+from basert.testing.client import error_envelope, post
+from basert.testing.launcher import ServerProcess
+
+FIXTURES_TEXT = Path(__file__).resolve().parent.parent / "basert" / "engine" / "drafts.py"
+
+
+def engine_for(path: Path, draft_max: int, **options) -> Engine:
+    return build_engine(path, EngineOptions(max_context=1024, spec_draft_max=draft_max, **options))
+
+
+def run(engine: Engine, requests: list[GenerationRequest]) -> dict[str, tuple[list[int], list[float], FinishEvent]]:
+    """Each request's tokens, their logprobs and its finish event."""
+    out: dict[str, tuple[list[int], list[float], FinishEvent]] = {r.request_id: ([], [], None) for r in requests}
+    for event in engine.generate(requests):
+        assert not isinstance(event, FailEvent), event
+        tokens, logprobs, _ = out[event.request_id]
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token_id)
+            logprobs.append(event.logprob.logprob if event.logprob is not None else 0.0)
+        else:
+            out[event.request_id] = (tokens, logprobs, event)
+    return out
+
+
+def same_outputs(off: dict, on: dict) -> None:
+    for request_id, (tokens, logprobs, finish) in off.items():
+        on_tokens, on_logprobs, on_finish = on[request_id]
+        assert on_tokens == tokens, request_id
+        # Bit for bit: the same logits give the same float64 log-softmax.
+        assert np.array_equal(np.array(on_logprobs), np.array(logprobs)), request_id
+        assert (on_finish.finish_reason, on_finish.text, on_finish.stop_word) == \
+               (finish.finish_reason, finish.text, finish.stop_word), request_id
+
+
+def teach(engine: Engine, requests: list[GenerationRequest], outputs: dict) -> None:
+    """Give the engine's shared n-gram table what each request generated without drafts, its first tokens right
+    and the rest wrong, as another request's output would: the drafts are then partly accepted and partly
+    rejected in the middle of a chunk, whatever the model (random weights rarely repeat themselves)."""
+    vocab = engine.runner.vocab_size
+    for request in requests:
+        tokens = outputs[request.request_id][0]
+        wrong = [(token + 1) % vocab for token in tokens[8:16]]
+        engine.shared_ngrams.learn([*request.prompt[-NGRAM_SIZES[0]:], *tokens[:8], *wrong])
+
+
+def drafted(results: dict) -> tuple[int, int]:
+    timings = [finish.timings for _, _, finish in results.values()]
+    return sum(t.draft_n for t in timings), sum(t.draft_n_accepted for t in timings)
+
+
+def repeating_prompt(engine: Engine, seed: int = 0) -> list[int]:
+    """A prompt whose continuation repeats what it holds: a text, then the start of that text again."""
+    if engine.tokenizer is not None:
+        text = FIXTURES_TEXT.read_text()[:1500]
+        return engine.tokenizer.encode(f"Copy this text.\n\n{text}\n\nThe copy:\n\n{text[:120]}")
+    rng = np.random.default_rng(seed)
+    piece = rng.integers(0, engine.runner.vocab_size, 40).tolist()
+    return piece + piece[:8]
+
+
+@pytest.fixture(params=["smollm2", "gemma3", "qwen3_5-tiny", "qwen3_5_moe-tiny"])
+def model_path(request, smollm2_base: Path, tiny_f32_bases: dict[str, Path]) -> Path:
+    if request.param == "gemma3":
+        return request.getfixturevalue("gemma3_base")
+    return smollm2_base if request.param == "smollm2" else tiny_f32_bases[request.param]
+
+
+def requests_of(engine: Engine, sampling: SamplingParams, n: int = 1, max_tokens: int = 48,
+                **fields) -> list[GenerationRequest]:
+    return [GenerationRequest(f"r{i}", repeating_prompt(engine, i), max_tokens, sampling, **fields) for i in range(n)]
+
+
+GREEDY = SamplingParams(temperature=0, logprobs=True)
+SEEDED = SamplingParams(temperature=0.7, top_p=0.9, seed=1234, logprobs=True)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_drafts_change_nothing_on_every_family(model_path: Path, sampling: SamplingParams):
+    off_engine = engine_for(model_path, 0)
+    on_engine = engine_for(model_path, 8)
+    try:
+        off = run(off_engine, requests_of(off_engine, sampling))
+        teach(on_engine, requests_of(on_engine, sampling), off)
+        on = run(on_engine, requests_of(on_engine, sampling))
+    finally:
+        off_engine.close()
+        on_engine.close()
+    same_outputs(off, on)
+    assert drafted(off) == (0, 0)
+    n_drafted, n_accepted = drafted(on)
+    assert n_drafted >= n_accepted >= 5
+
+
+def test_drafts_are_accepted_where_text_repeats(smollm2_base: Path):
+    engine = engine_for(smollm2_base, 8)
+    try:
+        results = run(engine, requests_of(engine, GREEDY, max_tokens=96))
+    finally:
+        engine.close()
+    n_drafted, n_accepted = drafted(results)
+    assert n_accepted > 40, (n_drafted, n_accepted)
+    finish = next(iter(results.values()))[2]
+    assert finish.timings.as_dict(0)["draft_n_accepted"] == n_accepted
+
+
+def test_hybrid_rejected_drafts_leave_the_state_as_without(tiny_f32_bases: dict[str, Path]):
+    """A hybrid's drafts are rejected mid-chunk (random weights rarely repeat a draft to the end): the recurrent
+    state goes back and the next request on the same slot continues from exactly the same history."""
+    path = tiny_f32_bases["qwen3_5-tiny"]
+    outputs = []
+    for draft_max in (0, 8):
+        engine = engine_for(path, draft_max)
+        try:
+            first = requests_of(engine, GREEDY, max_tokens=40)
+            if draft_max:
+                teach(engine, first, outputs[0][0])
+            results = run(engine, first)
+            tokens = next(iter(results.values()))[0]
+            # The same slot continues the conversation: its history (and state) must be what it would be.
+            follow = GenerationRequest("next", first[0].prompt + tokens + [7, 8, 9], 24, GREEDY)
+            outputs.append((results, run(engine, [follow]), drafted(results)))
+        finally:
+            engine.close()
+    (off, off_next, _), (on, on_next, (n_drafted, n_accepted)) = outputs
+    same_outputs(off, on)
+    same_outputs(off_next, on_next)
+    assert n_drafted > n_accepted >= 5
+
+
+def test_batched_requests_with_the_prefix_cache(model_path: Path):
+    """Four requests at once, sharing a prefix through the cache: the same outputs with and without drafts."""
+    results = []
+    for draft_max in (0, 8):
+        engine = engine_for(model_path, draft_max, n_slots=4, continuous_batching=True, prefix_cache=True)
+        try:
+            base = repeating_prompt(engine)
+            requests = [GenerationRequest(f"r{i}", base + [11 + i], 32, GREEDY if i % 2 else SEEDED)
+                        for i in range(4)]
+            if draft_max:
+                teach(engine, requests, results[0][0])
+            first = run(engine, requests)
+            # Again, now from the prefix cache and the slots' histories.
+            again = run(engine, [GenerationRequest(f"again{i}", r.prompt, 32, r.sampling)
+                                 for i, r in enumerate(requests)])
+            results.append((first, again))
+        finally:
+            engine.close()
+    (off_first, off_again), (on_first, on_again) = results
+    same_outputs(off_first, on_first)
+    same_outputs(off_again, on_again)
+
+
+@pytest.mark.parametrize("fields", [
+    {"stop": ("import",)},
+    {"sampling": SamplingParams(temperature=0, repeat_penalty=1.3, repeat_last_n=32, presence_penalty=0.4,
+                                frequency_penalty=0.2, logprobs=True, top_logprobs=3)},
+    {"max_tokens": 5},
+], ids=["stop-string", "penalties", "max-tokens"])
+def test_stops_limits_and_penalties_behave_as_without(smollm2_base: Path, fields: dict):
+    results = []
+    for draft_max in (0, 8):
+        engine = engine_for(smollm2_base, draft_max)
+        try:
+            sampling = fields.get("sampling", GREEDY)
+            extra = {k: v for k, v in fields.items() if k not in ("sampling", "max_tokens")}
+            results.append(run(engine, requests_of(engine, sampling, max_tokens=fields.get("max_tokens", 64),
+                                                   **extra)))
+        finally:
+            engine.close()
+    same_outputs(*results)
+
+
+def test_grammar_forbidden_drafts_end_the_accepted_run(smollm2_base: Path):
+    """A JSON schema constrains the output: drafts copied from the prompt's prose are refused by the grammar,
+    and the output is the same with and without drafts."""
+    schema = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
+    results = []
+    for draft_max in (0, 8):
+        engine = engine_for(smollm2_base, draft_max)
+        try:
+            factory = GrammarFactory(engine.tokenizer)
+            grammar = factory.json_schema(schema)
+            requests = requests_of(engine, GREEDY, max_tokens=64, constraint=factory.matcher(grammar))
+            results.append(run(engine, requests))
+        finally:
+            engine.close()
+    same_outputs(*results)
+    assert drafted(results[1])[0] > 0
+
+
+def test_a_request_can_turn_drafts_off(smollm2_base: Path):
+    engine = engine_for(smollm2_base, 8)
+    try:
+        plain = run(engine, requests_of(engine, GREEDY, speculative=False))
+        limited = run(engine, requests_of(engine, GREEDY, draft_max=1))
+    finally:
+        engine.close()
+    assert drafted(plain) == (0, 0)
+    same_outputs(plain, limited)
+
+
+# --- the drafter --------------------------------------------------------------------------------------------------
+def test_drafter_proposes_what_followed_the_longest_suffix():
+    drafter = Drafter(8, None)
+    history = [1, 2, 3, 4, 5, 6, 9, 2, 3, 4]
+    # The last four tokens 9 2 3 4 never occurred before; 2 3 4 did, followed by 5 6 9 2 ...
+    assert drafter.propose(history[:-1], history[-1], room=8) == [5, 6, 9, 2]   # K starts at 4
+    drafter.update(drafted=4, accepted=4)
+    assert drafter.propose(history + [5, 6, 9, 2], 3, room=8) == [4, 5, 6, 9, 2, 3]
+    assert drafter.propose(history + [5, 6, 9, 2, 3], 4, room=2)[:2] == [5, 6]
+
+
+def test_drafter_backs_off_after_drafts_that_gain_nothing():
+    drafter = Drafter(8, None)
+    history = [7, 8, 9, 7, 8]
+    assert drafter.propose(history[:-1], history[-1], room=8) == [9, 7, 8]
+    drafter.update(drafted=3, accepted=0)
+    history += [1]
+    assert drafter.propose(history[:-1], history[-1], room=8) == []     # waiting one step
+    history += [7, 8]
+    assert drafter.propose(history[:-1], history[-1], room=8) == [1]    # K back to 1
+    drafter.update(drafted=1, accepted=0)
+    history += [2]
+    for _ in range(3):                                                   # waiting three steps now
+        assert drafter.propose(history[:-1], history[-1], room=8) == []
+        history += [5]
+
+
+def test_shared_ngrams_carry_one_requests_output_to_another():
+    shared = SharedNgrams(draft_max=8, capacity=4)
+    shared.learn([1, 2, 3, 4, 5, 6, 7])
+    drafter = Drafter(8, shared)
+    assert drafter.propose([9, 1, 2, 3], 4, room=8) == [5, 6, 7]
+    n = NGRAM_SIZES[0]
+    assert len(shared) == 3 == len(range(n, 7))
+    shared.learn(list(range(100, 110)))
+    assert len(shared) == 4      # bounded: the least recently used went first
+    assert shared.follow((1, 2, 3, 4)) == ()
+
+
+# --- slots and the server ---------------------------------------------------------------------------------------
+def test_a_restored_slot_continues_as_without(smollm2_base: Path, tmp_path: Path):
+    """A slot saved after a request with drafts, restored into a fresh engine, continues exactly as one that never
+    drafted."""
+    continuations = []
+    for draft_max in (0, 8):
+        engine = engine_for(smollm2_base, draft_max)
+        try:
+            first = requests_of(engine, GREEDY, max_tokens=40)
+            tokens = next(iter(run(engine, first).values()))[0]
+            engine.save_slot(0, tmp_path / f"slot{draft_max}.bin")
+        finally:
+            engine.close()
+        fresh = engine_for(smollm2_base, draft_max)
+        try:
+            fresh.restore_slot(0, tmp_path / f"slot{draft_max}.bin")
+            follow = GenerationRequest("next", first[0].prompt + tokens + [28, 29], 40, GREEDY)
+            continuations.append(run(fresh, [follow]))
+        finally:
+            fresh.close()
+    same_outputs(*continuations)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_base: Path, server_pool) -> ServerProcess:
+    return server_pool.get(smollm2_base, *SMOLLM2_CHAT_FLAGS)
+
+
+def test_server_fields_and_logprobs(server: ServerProcess):
+    text = FIXTURES_TEXT.read_text()[:1200]
+    chat = {"messages": [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}], "temperature": 0,
+            "max_tokens": 48, "logprobs": True, "top_logprobs": 2}
+    on = post(server.url, "/v1/chat/completions", chat).json()
+    off = post(server.url, "/v1/chat/completions", {**chat, "speculative": False}).json()
+    assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
+    # Every token has its logprobs, drafted or not, and the same bits.
+    assert on["choices"][0]["logprobs"] == off["choices"][0]["logprobs"]
+    assert len(on["choices"][0]["logprobs"]["content"]) == on["usage"]["completion_tokens"]
+    assert off["timings"]["draft_n"] == 0
+    llama = post(server.url, "/completion", {"prompt": f"Copy: {text}\nCopy: {text[:80]}", "n_predict": 32,
+                                             "temperature": 0, "n_probs": 3, "speculative.n_max": 4}).json()
+    assert len(llama["completion_probabilities"]) == llama["tokens_predicted"]
+    assert 0 < llama["timings"]["draft_n"]
+    for bad in ({"speculative": "yes"}, {"speculative": 1}, {"speculative.n_max": 65}, {"speculative.n_max": -1},
+                {"speculative.n_max": "4"}):
+        error_envelope(post(server.url, "/v1/chat/completions", {**chat, **bad}), 400)
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert "basert_draft_tokens_total" in metrics and "basert_draft_accepted_tokens_total" in metrics
+
