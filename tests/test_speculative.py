@@ -14,7 +14,7 @@ from conftest import SMOLLM2_CHAT_FLAGS
 
 from basert.chat.grammar import GrammarFactory
 from basert.engine.build import EngineOptions, build_engine
-from basert.engine.drafts import NGRAM_SIZES, Drafter, SharedNgrams
+from basert.engine.drafts import FIRST_PROBE, NGRAM_SIZES, PRIOR_EXTRA_COST, Drafter, SharedNgrams, StepCosts
 from basert.engine.engine import Engine
 from basert.engine.sampler import SamplingParams
 from basert.engine.types import FailEvent, FinishEvent, GenerationRequest, TokenEvent
@@ -220,36 +220,63 @@ def test_a_request_can_turn_drafts_off(smollm2_base: Path):
 
 
 # --- the drafter --------------------------------------------------------------------------------------------------
+def step_costs(extra: float, most: int = 16) -> StepCosts:
+    """Measured costs: a step of n tokens takes 1 + extra * (n - 1) seconds."""
+    costs = StepCosts()
+    for n in range(1, most + 1):
+        costs.observe(n, 1 + extra * (n - 1))
+    return costs
+
+
 def test_drafter_proposes_what_followed_the_longest_suffix():
-    drafter = Drafter(8, None)
+    drafter = Drafter(8, None, step_costs(0.0))        # extra tokens cost nothing: the whole continuation
     history = [1, 2, 3, 4, 5, 6, 9, 2, 3, 4]
-    # The last four tokens 9 2 3 4 never occurred before; 2 3 4 did, followed by 5 6 9 2 ...
-    assert drafter.propose(history[:-1], history[-1], room=8) == [5, 6, 9, 2]   # K starts at 4
-    drafter.update(drafted=4, accepted=4)
+    # The last four tokens 9 2 3 4 never occurred before; 2 3 4 did, followed by 5 6 9 2 3 4.
+    assert drafter.propose(history[:-1], history[-1], room=8) == [5, 6, 9, 2, 3, 4]
     assert drafter.propose(history + [5, 6, 9, 2], 3, room=8) == [4, 5, 6, 9, 2, 3]
-    assert drafter.propose(history + [5, 6, 9, 2, 3], 4, room=2)[:2] == [5, 6]
+    assert drafter.propose(history + [5, 6, 9, 2, 3], 4, room=2) == [5, 6]
 
 
-def test_drafter_backs_off_after_drafts_that_gain_nothing():
-    drafter = Drafter(8, None)
-    history = [7, 8, 9, 7, 8]
-    assert drafter.propose(history[:-1], history[-1], room=8) == [9, 7, 8]
-    drafter.update(drafted=3, accepted=0)
-    history += [1]
-    assert drafter.propose(history[:-1], history[-1], room=8) == []     # waiting one step
-    history += [7, 8]
-    assert drafter.propose(history[:-1], history[-1], room=8) == [1]    # K back to 1
-    drafter.update(drafted=1, accepted=0)
-    history += [2]
-    for _ in range(3):                                                   # waiting three steps now
-        assert drafter.propose(history[:-1], history[-1], room=8) == []
-        history += [5]
+def test_drafts_are_as_long_as_they_pay():
+    history = list(range(20)) * 2
+
+    def first_draft(extra: float, accepted: int, rejected: int) -> list[int]:
+        drafter = Drafter(8, None, step_costs(extra))
+        for _ in range(accepted):
+            drafter.update(drafted=3, accepted=3)
+        for _ in range(rejected):
+            drafter.update(drafted=8, accepted=0)
+        return drafter.propose(history[:-1], history[-1], room=8)
+
+    # An even chance per token at first: the length where (1 + 1/2 + 1/4 ...) / (1 + 0.05 k) is largest; then
+    # as long as the room allows once drafts are accepted, and short once they are not.
+    assert len(first_draft(0.05, 0, 0)) == 3
+    assert len(first_draft(0.05, 4, 0)) == 8
+    assert len(first_draft(0.05, 0, 6)) == 1
+    # Each extra token costs a whole step: no draft pays, until the probe after FIRST_PROBE steps.
+    dear = Drafter(8, None, step_costs(1.0))
+    proposals = []
+    for _ in range(FIRST_PROBE):
+        proposals.append(dear.propose(history[:-1], history[-1], room=8))
+        history.append((history[-1] + 1) % 20)
+    assert proposals[:-1] == [[]] * (FIRST_PROBE - 1) and len(proposals[-1]) >= 1
+
+
+def test_step_costs_fall_back_to_a_prior_until_measured():
+    costs = StepCosts()
+    assert costs.ratio(3, 1) == pytest.approx(1 + 2 * PRIOR_EXTRA_COST)
+    costs.observe(1, 0.010)
+    costs.observe(3, 0.030)
+    assert costs.ratio(3, 1) == pytest.approx(3.0)
+    costs.observe(3, 0.020)       # a running average
+    assert 2.0 < costs.ratio(3, 1) < 3.0
+    assert costs.ratio(1, 3) == 1.0
 
 
 def test_shared_ngrams_carry_one_requests_output_to_another():
     shared = SharedNgrams(draft_max=8, capacity=4)
     shared.learn([1, 2, 3, 4, 5, 6, 7])
-    drafter = Drafter(8, shared)
+    drafter = Drafter(8, shared, step_costs(0.0))
     assert drafter.propose([9, 1, 2, 3], 4, room=8) == [5, 6, 7]
     n = NGRAM_SIZES[0]
     assert len(shared) == 3 == len(range(n, 7))

@@ -1,6 +1,6 @@
 """Drafts for speculative decoding, without a draft model: the tokens that followed the last few tokens before.
 
-A running request's `Drafter` proposes up to K tokens by matching the last n tokens of its history (n from
+A running request's `Drafter` looks for a continuation of its history by matching its last n tokens (n from
 `NGRAM_SIZES`, longest first) against
 
 1. the request's own history (prompt and output so far): an index from each n-gram to the position after its
@@ -8,11 +8,15 @@ A running request's `Drafter` proposes up to K tokens by matching the last n tok
 2. the model's `SharedNgrams`: what other requests generated (agents of a fleet repeat each other), a bounded
    table from n-gram to the tokens that followed it, least recently used entries dropped first.
 
-The engine feeds the proposal after the request's next token in one forward and keeps the longest prefix that
-the sampler picks itself (`Engine.step`), so a draft only ever changes the speed. K adapts to how the request's
-drafts fare: it grows while whole drafts are accepted, shrinks to what was accepted otherwise, and after drafts
-that gained nothing the request stops drafting for a number of steps that doubles each time (text that does not
-repeat costs at most a rare probe).
+The engine feeds the draft after the request's next token in one forward and keeps the longest prefix that the
+sampler picks itself (`Engine.step`), so a draft only ever changes the speed. How many of the continuation's
+tokens to draft (K) is a bet, made each step: a step that feeds K more tokens costs `StepCosts.ratio` times one
+that does not (measured on this machine as the engine runs: on a CPU a few more tokens cost little where decode
+waits for memory and nearly their share where it computes), and the request's recent acceptance rate `a`
+predicts 1 + a + a^2 + ... + a^K tokens from it. K is the draft length that gives the most tokens per unit of
+cost, and no draft when none gives more than decoding alone; such a request still probes with its best draft
+after 4, 8, ... 64 steps without one, so that text which starts repeating is noticed (text that never repeats
+pays at most a rare probe).
 """
 
 from __future__ import annotations
@@ -23,9 +27,34 @@ from collections.abc import Sequence
 NGRAM_SIZES = (4, 3, 2)          # suffix lengths tried, longest first
 DEFAULT_DRAFT_MAX = 8            # most drafted tokens per step (--spec-draft-max)
 MAX_DRAFT_MAX = 64
-FIRST_DRAFT = 4                  # K of a request's first draft
 SHARED_NGRAMS = 1 << 16          # entries of a model's shared table
-MAX_BACKOFF = 32                 # most steps a request waits between drafts after drafts that gained nothing
+# A step's cost per extra token fed, relative to a one-token step, until the engine has measured it.
+PRIOR_EXTRA_COST = 0.25
+COST_MEMORY = 0.2                # weight of the newest observation in a step cost's running average
+ACCEPTANCE_MEMORY = 0.8          # weight of the history in a request's acceptance counts (per draft)
+FIRST_PROBE = 4                  # steps without a draft before the first probe, doubling up to ...
+LAST_PROBE = 64
+
+
+class StepCosts:
+    """Seconds of a decoding step by the tokens it feeds (running averages), and what feeding more costs."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step of decoding slots only fed `tokens` tokens in `seconds`."""
+        old = self._seconds.get(tokens)
+        self._seconds[tokens] = seconds if old is None else old + COST_MEMORY * (seconds - old)
+
+    def ratio(self, tokens: int, base: int) -> float:
+        """Cost of a step of `tokens` tokens over one of `base` tokens (measured once both were seen)."""
+        if tokens <= base:
+            return 1.0
+        seconds = self._seconds
+        if tokens in seconds and base in seconds and seconds[base] > 0:
+            return max(seconds[tokens] / seconds[base], 1.0)
+        return (1 + PRIOR_EXTRA_COST * (tokens - 1)) / (1 + PRIOR_EXTRA_COST * (base - 1))
 
 
 class SharedNgrams:
@@ -61,27 +90,67 @@ class SharedNgrams:
 
 
 class Drafter:
-    """One request's drafts: a copy of its history with an n-gram index, and its adaptive draft length."""
+    """One request's drafts: a copy of its history with an n-gram index, and its acceptance rate."""
 
-    __slots__ = ("_after", "_backoff", "_history", "_idle", "_k", "draft_max", "shared")
+    __slots__ = ("_accepted", "_after", "_history", "_probe_every", "_rejected", "_since_draft", "costs",
+                 "draft_max", "shared")
 
-    def __init__(self, draft_max: int, shared: SharedNgrams | None):
+    def __init__(self, draft_max: int, shared: SharedNgrams | None, costs: StepCosts | None = None):
         self.draft_max = draft_max
         self.shared = shared
+        self.costs = costs if costs is not None else StepCosts()
         self._history: list[int] = []
         self._after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
-        self._k = min(FIRST_DRAFT, draft_max)
-        self._backoff = 0          # steps to wait after the last draft that gained nothing (0: none pending)
-        self._idle = 0             # steps left before the next draft
+        self._accepted = 1.0        # decayed counts of accepted and rejected draft tokens: a prior of 1 each
+        self._rejected = 1.0
+        self._since_draft = 0       # steps since the last draft
+        self._probe_every = FIRST_PROBE
 
-    def propose(self, computed: Sequence[int], next_token: int, room: int) -> list[int]:
-        """Up to min(K, room) tokens to follow the history: the tokens `computed` so far, then `next_token`.
-        Each call's history extends the previous call's."""
+    @property
+    def acceptance(self) -> float:
+        """The chance that a drafted token is accepted, given that the ones before it were."""
+        return self._accepted / (self._accepted + self._rejected)
+
+    def propose(self, computed: Sequence[int], next_token: int, room: int, lanes: int = 1) -> list[int]:
+        """The tokens to draft after the history (the tokens `computed` so far, then `next_token`; each call's
+        history extends the previous call's): at most `room`, chosen for a step of `lanes` decoding slots."""
         self._extend(computed, next_token)
-        if self._idle:
-            self._idle -= 1
+        continuation = self._continuation(min(room, self.draft_max))
+        if not continuation:
             return []
-        limit = min(self._k, room)
+        k, gain = self._best_length(len(continuation), lanes)
+        self._since_draft += 1
+        if gain <= 1.0:
+            if self._since_draft < self._probe_every:
+                return []
+            self._probe_every = min(2 * self._probe_every, LAST_PROBE)
+        self._since_draft = 0
+        return continuation[:k]
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """How the last draft fared: `accepted` of its `drafted` tokens were the sampler's own."""
+        if drafted == 0:
+            return
+        self._accepted = ACCEPTANCE_MEMORY * self._accepted + accepted
+        self._rejected = ACCEPTANCE_MEMORY * self._rejected + (accepted < drafted)
+        if accepted:
+            self._probe_every = FIRST_PROBE
+
+    def _best_length(self, most: int, lanes: int) -> tuple[int, float]:
+        """The draft length up to `most` with the most expected tokens per cost, and that ratio over decoding
+        alone."""
+        rate = self.acceptance
+        best, best_gain, expected, term = 1, 0.0, 1.0, 1.0
+        for k in range(1, most + 1):
+            term *= rate
+            expected += term
+            gain = expected / self.costs.ratio(lanes + k, lanes)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best, best_gain
+
+    def _continuation(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the longest matching suffix of the history."""
         if limit <= 0:
             return []
         history = self._history
@@ -98,21 +167,6 @@ class Drafter:
                 if found:
                     return list(found[:limit])
         return []
-
-    def update(self, drafted: int, accepted: int) -> None:
-        """How the last draft fared: `accepted` of its `drafted` tokens were the sampler's own."""
-        if drafted == 0:
-            return
-        if accepted == drafted:
-            self._k = min(self.draft_max, 2 * self._k)
-            self._backoff = 0
-        elif accepted == 0:
-            self._k = 1
-            self._backoff = min(MAX_BACKOFF, 2 * self._backoff + 1)
-            self._idle = self._backoff
-        else:
-            self._k = max(1, accepted)
-            self._backoff = 0
 
     def _extend(self, computed: Sequence[int], next_token: int) -> None:
         """Append what the history gained since the last call, indexing the n-grams that end before each new

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from basert.engine.drafts import DEFAULT_DRAFT_MAX, NGRAM_SIZES, Drafter, SharedNgrams
+from basert.engine.drafts import DEFAULT_DRAFT_MAX, NGRAM_SIZES, Drafter, SharedNgrams, StepCosts
 from basert.engine.embeddings import POOLINGS, check_inputs, hidden_states, input_batches, pooled
 from basert.engine.info import ModelInfo
 from basert.engine.kv import BLOCK_SIZE, blocks_for
@@ -75,6 +75,7 @@ class Engine:
         self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()
         self.draft_max = draft_max          # most drafted tokens per step; 0: no speculative decoding
         self.shared_ngrams = SharedNgrams(draft_max) if draft_max else None
+        self.step_costs = StepCosts()       # what feeding drafts costs on this machine, measured as steps run
         self._admissions = 0
 
     # --- admission ----------------------------------------------------------------------------
@@ -117,7 +118,7 @@ class Engine:
     def _drafter_for(self, request: GenerationRequest) -> Drafter | None:
         """The request's drafter, None when it decodes without speculation."""
         limit = self.draft_max if request.draft_max is None else min(self.draft_max, request.draft_max)
-        return Drafter(limit, self.shared_ngrams) if request.speculative and limit > 0 else None
+        return Drafter(limit, self.shared_ngrams, self.step_costs) if request.speculative and limit > 0 else None
 
     def check(self, request: GenerationRequest) -> None:
         """Raise when a request can never run on this engine (its sampling parameters are checked by the
@@ -169,6 +170,7 @@ class Engine:
     def prepare_step(self) -> list[SlotStatus]:
         """Let prefilling slots catch up with the prefix cache, then report every busy slot for planning."""
         statuses = []
+        lanes = sum(slot.running is not None and not slot.running.pending for slot in self.slots)
         for slot in self.slots:
             running = slot.running
             if running is None:
@@ -183,15 +185,15 @@ class Engine:
                         max_chunk = min(max_chunk, stop - seq.n_past)
                         break
             else:
-                running.draft = self._draft(slot)
+                running.draft = self._draft(slot, lanes)
                 max_chunk = 1 + len(running.draft)
             statuses.append(SlotStatus(slot.index, not running.pending, max_chunk, seq.n_past,
                                        seq.block_table.n_blocks, running.order, self.slots.waits_for_prefix(slot)))
         return statuses
 
-    def _draft(self, slot: Slot) -> list[int]:
-        """The tokens to try after a decoding slot's next token: none beyond the context, the request's token
-        limit or the step's token budget."""
+    def _draft(self, slot: Slot, lanes: int) -> list[int]:
+        """The tokens to try after a decoding slot's next token, in a step of `lanes` decoding slots: none beyond
+        the context, the request's token limit or the step's token budget."""
         running = slot.running
         if running.drafter is None:
             return []
@@ -199,7 +201,7 @@ class Engine:
         room = min(self.runner.max_context - seq.n_past - 1,
                    running.request.max_tokens - len(running.output.generated) - 1,
                    self.token_budget - 1)
-        return running.drafter.propose(seq.tokens, running.next_token, room)
+        return running.drafter.propose(seq.tokens, running.next_token, room, lanes)
 
     def step(self, plan: StepPlan) -> list[Event]:
         """Carry out one plan: finish starved slots, preempt, then one forward over the planned chunks."""
@@ -240,6 +242,8 @@ class Engine:
         except Exception as exc:
             return events + self._fail(work, exc)
         now = time.monotonic()
+        if not any(slot.running.pending for slot, _, _ in work):
+            self.step_costs.observe(sum(len(chunk) for _, chunk, _ in work), now - start)
         redo: list[tuple[Slot, list[int]]] = []
         for (slot, chunk, wants), logits in zip(work, results):
             running = slot.running
