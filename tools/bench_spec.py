@@ -8,8 +8,9 @@ paths and quoted code from the conversation; (b) `code_edit`, a ~300-line Python
 changed (the first max_tokens of it); (c) `extraction`, a JSON-schema constrained extraction that quotes its
 source; (d) `prose`, a story, the control whose text does not repeat its context. Each is sent as a chat
 completion (temperature 0, streamed) to a `basert serve` with speculative decoding (its default) and to one
-with `--no-spec`, alternating, `--rounds` times: single stream (each workload alone), then `--concurrent` (4)
-copies of the code edit at once.
+with `--no-spec`, alternating, `--rounds` times, each round on freshly started servers (so that no draft comes
+from an earlier round's answer to the same workload): single stream (each workload alone, in the order above),
+then `--concurrent` (4) copies of the code edit at once.
 
 Per request the decode rate is (completion tokens - 1) / (last chunk - first chunk) on the client; for the
 concurrent batch the aggregate is the sum of those tokens over (last chunk of any stream - first chunk of any).
@@ -153,17 +154,14 @@ def main() -> int:
     configs = {"off": ["--no-spec"], "on": []}
     runs: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as logs:
-        servers = {name: ServerProcess(path, *common, *flags, log_path=Path(logs) / f"{name}.log")
-                   for name, flags in configs.items()}
-        try:
-            for round_number in range(1, args.rounds + 1):
-                for name, server in servers.items():
+        for round_number in range(1, args.rounds + 1):
+            # Fresh servers each round: drafts come from what this round's requests wrote, never from an earlier
+            # round's answers to the same workload.
+            for name, flags in configs.items():
+                with ServerProcess(path, *common, *flags, log_path=Path(logs) / f"{name}.log") as server:
                     for test, rate in measure(server.url, workloads, args.concurrent).items():
                         runs.setdefault(name, {}).setdefault(test, []).append(rate)
-                print(f"round {round_number}/{args.rounds} done", file=sys.stderr)
-        finally:
-            for server in servers.values():
-                server.stop()
+            print(f"round {round_number}/{args.rounds} done", file=sys.stderr)
         if args.llama_server:
             for flags_name, flags in [("llama off", [])] + [
                     (f"llama {kind}", ["--spec-type", kind]) for kind in args.llama_spec_types.split(",")]:
