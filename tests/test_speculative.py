@@ -71,7 +71,7 @@ def drafted(results: dict) -> tuple[int, int]:
 def repeating_prompt(engine: Engine, seed: int = 0) -> list[int]:
     """A prompt whose continuation repeats what it holds: a text, then the start of that text again."""
     if engine.tokenizer is not None:
-        text = FIXTURES_TEXT.read_text()[:1500]
+        text = FIXTURES_TEXT.read_text()[:700]
         return engine.tokenizer.encode(f"Copy this text.\n\n{text}\n\nThe copy:\n\n{text[:120]}")
     rng = np.random.default_rng(seed)
     piece = rng.integers(0, engine.runner.vocab_size, 40).tolist()
