@@ -111,7 +111,7 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log.open("w")
         self.process = subprocess.Popen([binary, "-m", str(gguf), "--port", str(self.port), "-t", str(threads),
-                                         "-c", "8192", "-np", "4", "--jinja", *flags],
+                                         "-c", "32768", "-np", "4", "--jinja", *flags],
                                         stdout=self.log, stderr=subprocess.STDOUT)
         if not wait_healthy(self.url, 300, lambda: self.process.poll() is None):
             self.stop()
