@@ -173,6 +173,8 @@ class Drafter:
         position: n-gram -> that position (its latest occurrence wins)."""
         history = self._history
         start = len(history)
+        if start > len(computed):
+            return  # asked again before the step: the history already ends with next_token
         history.extend(computed[start:])
         history.append(next_token)
         for at in range(max(start, 1), len(history)):
