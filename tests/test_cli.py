@@ -129,7 +129,9 @@ def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
     pytest.param("-c", "1", "max_context must be at least 2", marks=pytest.mark.slow),
     pytest.param("--ctx-size", "1", "max_context must be at least 2", marks=pytest.mark.slow),
     pytest.param("--threads", "0", "threads must be at least 1", marks=pytest.mark.slow),
-    ("-t", "0", "threads must be at least 1")])
+    ("-t", "0", "threads must be at least 1"),
+    ("--spec-draft-max", "65", "--spec-draft-max must be in [0, 64]"),
+    pytest.param("--spec-draft-max", "-1", "--spec-draft-max must be in [0, 64]", marks=pytest.mark.slow)])
 def test_serve_refuses_engine_options_that_cannot_work_in_one_line(flag: str, value: str, message: str) -> None:
     result = basert("serve", flag, value, "--port", "1")
     assert result.returncode == 2
