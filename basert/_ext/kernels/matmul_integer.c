@@ -289,13 +289,6 @@ BASERT_ALWAYS_INLINE void bq_weights(const int kind, const int type, const uint8
     bq_halves(bq_q5_codes(blk + (with_min ? 4 : 2), blk + (with_min ? 8 : 6)), even, odd);
 }
 
-/* Lane r = the sum of the eight lanes of p[r]. */
-BASERT_ALWAYS_INLINE __m256i bq_sum8(const __m256i *p) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
 /* 8 x 8 transpose: v[i] lane j becomes v[j] lane i. */
 BASERT_ALWAYS_INLINE void bq_transpose8(__m256 *v) {
     const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
@@ -425,32 +418,52 @@ BASERT_ALWAYS_INLINE __m256 bq_fold_sums(const int has_bias, const int offset, _
     return _mm256_add_ps(acc, t);
 }
 
-/* The same from the eight rows' partial sums, folded. */
-BASERT_ALWAYS_INLINE __m256 bq_fold(const int has_bias, const int offset, const __m256i *part, __m256 sv, __m256 bv, float d,
-                                    float sum, __m256 acc) {
-    return bq_fold_sums(has_bias, offset, bq_sum8(part), sv, bv, d, sum, acc);
-}
-
-/* acc + t for block b of eight weight rows p[r] (not a 256-value type) against activation codes q. */
-BASERT_ALWAYS_INLINE __m256 bq_single(const int kind, const int type, const int has_bias, const int offset,
-                                      const uint8_t *const *p, const int16_t *q, ptrdiff_t b, __m256 sv, __m256 bv, float d,
-                                      float sum, __m256 acc) {
-    const __m256i ae = bq_load32((const uint8_t *)(const void *)(q + 32 * b));
-    const __m256i ao = bq_load32((const uint8_t *)(const void *)(q + 32 * b + 16));
-    __m256i part[BQ_ROWS];
-    for (int r = 0; r < BQ_ROWS; r++) {
-        __m256i even, odd;
-        bq_weights(kind, type, p[r], b, &even, &odd);
-        part[r] = _mm256_add_epi32(_mm256_madd_epi16(even, ae), _mm256_madd_epi16(odd, ao));
+/* t[c]: weight rows p[0] and p[1] (bq_cols says where their integers are) against the C records' codes ae[c], ao[c],
+ * multiplied, added and their lanes added pairwise (hadd). */
+BASERT_ALWAYS_INLINE void bq_madd_pair(const int C, const int kind, const int type, const uint8_t *const *p, ptrdiff_t at,
+                                       int j, ptrdiff_t b, const __m256i *ae, const __m256i *ao, __m256i *t) {
+    __m256i e0, o0, e1, o1;
+    if (kind == BASERT_BLOCKS && basert_block_values(type) == 256) {
+        bq_k_weights(type, p[0] + at, j, &e0, &o0);
+        bq_k_weights(type, p[1] + at, j, &e1, &o1);
+    } else {
+        bq_weights(kind, type, p[0], b, &e0, &o0);
+        bq_weights(kind, type, p[1], b, &e1, &o1);
     }
-    return bq_fold(has_bias, offset, part, sv, bv, d, sum, acc);
+    for (int c = 0; c < C; c++)
+        t[c] = _mm256_hadd_epi32(_mm256_add_epi32(_mm256_madd_epi16(e0, ae[c]), _mm256_madd_epi16(o0, ao[c])),
+                                 _mm256_add_epi32(_mm256_madd_epi16(e1, ae[c]), _mm256_madd_epi16(o1, ao[c])));
 }
 
-/* y[row + r] for weight rows row + r (r < R <= 8) against one activation record qx (decode). Each row's codes meet the
- * activation block as soon as they are unpacked, so that few vectors are live at once. kind, type (GGUF blocks) and
- * sym are constants of each instance. */
-BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym, const basert_weight *w, ptrdiff_t row,
-                                   int R, const uint8_t *qx, float *y) {
+/* acc[c] + t for block b of eight weight rows p[r] against the activation codes q[c] of C records (c < C): the rows'
+ * scales and biases sv, bv. A 256-value type's integers come from its super-block at p[r] + at, sub-block j (constants
+ * where the caller writes the super-block out); the others' from p[r], block b. Each pair of weight rows meets the C
+ * records as soon as it is unpacked, and the rows' lanes are added pairwise as they come (hadd; in the end lane r holds
+ * row r's block sum), so that few vectors are live at once. */
+BASERT_ALWAYS_INLINE void bq_cols(const int C, const int kind, const int type, const int has_bias, const int offset,
+                                  const uint8_t *const *p, ptrdiff_t at, int j, ptrdiff_t b, const int16_t *const *q,
+                                  const float *const *d, const float *const *s, __m256 sv, __m256 bv, __m256 *acc) {
+    __m256i ae[BQ_COLS], ao[BQ_COLS], t0[BQ_COLS], t1[BQ_COLS], quad[BQ_COLS][2];
+    for (int c = 0; c < C; c++) {
+        ae[c] = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b));
+        ao[c] = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b + 16));
+    }
+    for (int h = 0; h < 2; h++) {
+        bq_madd_pair(C, kind, type, p + 4 * h, at, j, b, ae, ao, t0);
+        bq_madd_pair(C, kind, type, p + 4 * h + 2, at, j, b, ae, ao, t1);
+        for (int c = 0; c < C; c++) quad[c][h] = _mm256_hadd_epi32(t0[c], t1[c]);
+    }
+    for (int c = 0; c < C; c++) {
+        const __m256i lo = quad[c][0], hi = quad[c][1];
+        const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+        acc[c] = bq_fold_sums(has_bias, offset, total, sv, bv, d[c][b], s[c][b], acc[c]);
+    }
+}
+
+/* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C activation records qx + c * rb (c < C <=
+ * BQ_COLS). kind, type (GGUF blocks) and sym are constants of each instance. */
+BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, const int sym, const basert_weight *w,
+                                   ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
     const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym), offset = bq_offset(kind, type, sym);
     const ptrdiff_t k = w->k, blocks = k / 32, per_group = gguf ? 1 : w->group_size / 32, groups = blocks / per_group;
     const ptrdiff_t block_bytes = gguf ? basert_block_bytes(type) / (basert_block_values(type) / 32) : kind == BASERT_Q4 ? 16 : 32;
@@ -458,9 +471,15 @@ BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym
     const uint8_t *p[BQ_ROWS];
     ptrdiff_t rows[BQ_ROWS];
     bq_row_pointers(w, row, R, rows, p);
-    const int16_t *q = bq_codes(qx);
-    const float *d = bq_scales(qx, k), *s = bq_sums(qx, k);
-    __m256 acc = _mm256_setzero_ps();
+    const int16_t *q[BQ_COLS];
+    const float *d[BQ_COLS], *s[BQ_COLS];
+    __m256 acc[BQ_COLS];
+    for (int c = 0; c < C; c++) {
+        q[c] = bq_codes(qx + c * rb);
+        d[c] = bq_scales(qx + c * rb, k);
+        s[c] = bq_sums(qx + c * rb, k);
+        acc[c] = _mm256_setzero_ps();
+    }
     __m256 scale[8], bias[8];
     /* Eight groups' scales at a time (a super-block's sub-blocks for the 256-value types), then their blocks. */
     for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
@@ -476,15 +495,7 @@ BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym
                 if ((j & 1) == 0 || j == 7)
                     if (line < bytes)
                         for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + at + line);
-                __m256i part[BQ_ROWS];
-                const __m256i ae = bq_load32((const uint8_t *)(const void *)(q + 32 * (g0 + j)));
-                const __m256i ao = bq_load32((const uint8_t *)(const void *)(q + 32 * (g0 + j) + 16));
-                for (int r = 0; r < BQ_ROWS; r++) {
-                    __m256i even, odd;
-                    bq_k_weights(type, p[r] + at, j, &even, &odd);
-                    part[r] = _mm256_add_epi32(_mm256_madd_epi16(even, ae), _mm256_madd_epi16(odd, ao));
-                }
-                acc = bq_fold(has_bias, offset, part, scale[j], bias[j], d[g0 + j], s[g0 + j], acc);
+                bq_cols(C, kind, type, has_bias, offset, p, at, j, g0 + j, q, d, s, scale[j], bias[j], acc);
             }
             continue;
         }
@@ -494,16 +505,18 @@ BASERT_ALWAYS_INLINE void bq_block(const int kind, const int type, const int sym
                 /* The same codes of the next eight rows, about a cache line at a time. */
                 if ((b & (prefetch_every - 1)) == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
-                acc = bq_single(kind, type, has_bias, offset, p, q, b, scale[j], bias[j], d[b], s[b], acc);
+                bq_cols(C, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[j], bias[j], acc);
             }
         }
     }
-    if (R == BQ_ROWS) {
-        _mm256_storeu_ps(y + row, acc);
-    } else {
-        float out[BQ_ROWS];
-        _mm256_storeu_ps(out, acc);
-        for (int r = 0; r < R; r++) y[row + r] = out[r];
+    for (int c = 0; c < C; c++) {
+        if (R == BQ_ROWS) {
+            _mm256_storeu_ps(y + c * ldy + row, acc[c]);
+        } else {
+            float out[BQ_ROWS];
+            _mm256_storeu_ps(out, acc[c]);
+            for (int r = 0; r < R; r++) y[c * ldy + row + r] = out[r];
+        }
     }
 }
 
@@ -586,46 +599,78 @@ BASERT_ALWAYS_INLINE void bz_weights(const int kind, const int type, const uint8
     *odd = _mm512_mullo_epi16(_mm512_sub_epi16(uo, off), mul);
 }
 
-/* The eight rows' 16 lanes v[r] (lanes 0-7: block b, 8-15: block b + 1) folded: lane r of *first the sum of row r's
- * lanes of block b, of *second of block b + 1. */
-BASERT_ALWAYS_INLINE void bz_sum8(const __m512i *v, __m256i *first, __m256i *second) {
-    __m512i t[4], u[2];
-    /* Within each 128-bit chunk: rows 2i and 2i + 1 interleaved and added (two sums of two lanes each), ... */
-    for (int i = 0; i < 4; i++)
-        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-    /* ... then four rows' chunk sums, one per lane (chunks 0-1: block b, 2-3: block b + 1) ... */
-    for (int i = 0; i < 2; i++)
-        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
-    /* ... then the two chunks of each block added: rows 0-3 of b, of b + 1, rows 4-7 of b, of b + 1. */
-    const __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                       _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+/* The eight rows' 16 lanes (lanes 0-7: block b, 8-15: block b + 1) folded in three steps, so that few vectors are live:
+ * bz_fold2 adds rows 2i and 2i + 1 within each 128-bit chunk (two sums of two lanes each), bz_fold4 two such results
+ * into four rows' chunk sums, one per lane (chunks 0-1: block b, 2-3: block b + 1), and bz_fold8 the two halves'
+ * chunks of each block: lane r of *first the sum of row r's lanes of block b, of *second of block b + 1. */
+BASERT_ALWAYS_INLINE __m512i bz_fold2(__m512i even_row, __m512i odd_row) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(even_row, odd_row), _mm512_unpackhi_epi32(even_row, odd_row));
+}
+
+BASERT_ALWAYS_INLINE __m512i bz_fold4(__m512i t0, __m512i t1) {
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+BASERT_ALWAYS_INLINE void bz_fold8(__m512i u0, __m512i u1, __m256i *first, __m256i *second) {
+    /* Rows 0-3 of b, of b + 1, rows 4-7 of b, of b + 1, then in row order. */
+    const __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i ordered = _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0));
     *first = _mm512_castsi512_si256(ordered);
     *second = _mm512_extracti64x4_epi64(ordered, 1);
 }
 
-/* acc + t of blocks b and b + 1 (b even) of eight weight rows p[r] against activation codes q: their scales and biases
- * sv0, bv0 and sv1, bv1. */
-BASERT_ALWAYS_INLINE __m256 bz_pair(const int kind, const int type, const int has_bias, const int offset,
-                                    const uint8_t *const *p, const int16_t *q, const float *d, const float *s, ptrdiff_t b,
-                                    __m256 sv0, __m256 bv0, __m256 sv1, __m256 bv1, __m256 acc) {
-    const __m512i a0 = _mm512_loadu_si512((const void *)(q + 32 * b)), a1 = _mm512_loadu_si512((const void *)(q + 32 * b + 32));
-    const __m512i ae = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0)), ao = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
-    __m512i part[BQ_ROWS];
-    for (int r = 0; r < BQ_ROWS; r++) {
-        __m512i even, odd;
-        bz_weights(kind, type, p[r], b, &even, &odd);
-        part[r] = _mm512_add_epi32(_mm512_madd_epi16(even, ae), _mm512_madd_epi16(odd, ao));
-    }
-    __m256i first, second;
-    bz_sum8(part, &first, &second);
-    acc = bq_fold_sums(has_bias, offset, first, sv0, bv0, d[b], s[b], acc);
-    return bq_fold_sums(has_bias, offset, second, sv1, bv1, d[b + 1], s[b + 1], acc);
+
+/* For the C activation records' codes ae[c], ao[c] of blocks b, b + 1: t[c], the lanes of weight rows 2i (integers e0,
+ * o0) and 2i + 1 (e1, o1) multiplied, added and folded pairwise (bz_fold2). */
+BASERT_ALWAYS_INLINE void bz_madd_pair(const int C, const __m512i *ae, const __m512i *ao, __m512i e0, __m512i o0, __m512i e1,
+                                       __m512i o1, __m512i *t) {
+    for (int c = 0; c < C; c++)
+        t[c] = bz_fold2(_mm512_add_epi32(_mm512_madd_epi16(e0, ae[c]), _mm512_madd_epi16(o0, ao[c])),
+                        _mm512_add_epi32(_mm512_madd_epi16(e1, ae[c]), _mm512_madd_epi16(o1, ao[c])));
 }
 
-/* bq_block for the weights of BZ_PAIRS, two blocks at a time. */
-BASERT_ALWAYS_INLINE void bz_block(const int kind, const int type, const int sym, const basert_weight *w, ptrdiff_t row,
-                                   int R, const uint8_t *qx, float *y) {
+/* The C records' activation codes of blocks b, b + 1 arranged as the weights' pairs (bz_weights). */
+BASERT_ALWAYS_INLINE void bz_codes(const int C, const int16_t *const *q, ptrdiff_t b, __m512i *ae, __m512i *ao) {
+    for (int c = 0; c < C; c++) {
+        const __m512i a0 = _mm512_loadu_si512((const void *)(q[c] + 32 * b));
+        const __m512i a1 = _mm512_loadu_si512((const void *)(q[c] + 32 * b + 32));
+        ae[c] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(1, 0, 1, 0));
+        ao[c] = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 2, 3, 2));
+    }
+}
+
+/* acc[c] + t of blocks b and b + 1 (b even) of eight weight rows p[r] against the activation codes q[c] of C records
+ * (c < C): the rows' scales and biases sv0, bv0 and sv1, bv1. Each pair of weight rows meets the C records as soon as it
+ * is unpacked, and the rows' lanes are folded as they come, so that few vectors are live at once. */
+BASERT_ALWAYS_INLINE void bz_pair(const int C, const int kind, const int type, const int has_bias, const int offset,
+                                  const uint8_t *const *p, const int16_t *const *q, const float *const *d,
+                                  const float *const *s, ptrdiff_t b, __m256 sv0, __m256 bv0, __m256 sv1, __m256 bv1,
+                                  __m256 *acc) {
+    __m512i ae[BQ_COLS], ao[BQ_COLS], half[BQ_COLS][2], t0[BQ_COLS], t1[BQ_COLS];
+    bz_codes(C, q, b, ae, ao);
+    for (int h = 0; h < 2; h++) {
+        __m512i e0, o0, e1, o1;
+        bz_weights(kind, type, p[4 * h], b, &e0, &o0);
+        bz_weights(kind, type, p[4 * h + 1], b, &e1, &o1);
+        bz_madd_pair(C, ae, ao, e0, o0, e1, o1, t0);
+        bz_weights(kind, type, p[4 * h + 2], b, &e0, &o0);
+        bz_weights(kind, type, p[4 * h + 3], b, &e1, &o1);
+        bz_madd_pair(C, ae, ao, e0, o0, e1, o1, t1);
+        for (int c = 0; c < C; c++) half[c][h] = bz_fold4(t0[c], t1[c]);
+    }
+    for (int c = 0; c < C; c++) {
+        __m256i first, second;
+        bz_fold8(half[c][0], half[c][1], &first, &second);
+        acc[c] = bq_fold_sums(has_bias, offset, first, sv0, bv0, d[c][b], s[c][b], acc[c]);
+        acc[c] = bq_fold_sums(has_bias, offset, second, sv1, bv1, d[c][b + 1], s[c][b + 1], acc[c]);
+    }
+}
+
+/* bq_block for the weights of BZ_PAIRS, two blocks at a time, against C activation records qx + c * rb (c < C <=
+ * BQ_COLS): y[c * ldy + row + r]. */
+BASERT_ALWAYS_INLINE void bz_block(const int C, const int kind, const int type, const int sym, const basert_weight *w,
+                                   ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
     const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym), offset = bq_offset(kind, type, sym);
     const ptrdiff_t k = w->k, blocks = k / 32, per_group = gguf ? 8 : w->group_size / 32;
     const ptrdiff_t groups = gguf ? blocks / 8 : blocks / per_group;
@@ -633,9 +678,15 @@ BASERT_ALWAYS_INLINE void bz_block(const int kind, const int type, const int sym
     const uint8_t *p[BQ_ROWS];
     ptrdiff_t rows[BQ_ROWS];
     bq_row_pointers(w, row, R, rows, p);
-    const int16_t *q = bq_codes(qx);
-    const float *d = bq_scales(qx, k), *s = bq_sums(qx, k);
-    __m256 acc = _mm256_setzero_ps();
+    const int16_t *q[BQ_COLS];
+    const float *d[BQ_COLS], *s[BQ_COLS];
+    __m256 acc[BQ_COLS];
+    for (int c = 0; c < C; c++) {
+        q[c] = bq_codes(qx + c * rb);
+        d[c] = bq_scales(qx + c * rb, k);
+        s[c] = bq_sums(qx + c * rb, k);
+        acc[c] = _mm256_setzero_ps();
+    }
     __m256 scale[8], bias[8];
     if (gguf) {
         /* A super-block at a time: its eight sub-blocks' A and B, then its four pairs, the next eight rows' bytes of it
@@ -649,7 +700,7 @@ BASERT_ALWAYS_INLINE void bz_block(const int kind, const int type, const int sym
                     if (32 * j < bytes) __builtin_prefetch(p[r] + ahead + g * bytes + 32 * j);
                     if (j == 6) __builtin_prefetch(p[r] + ahead + g * bytes + bytes - 1);
                 }
-                acc = bz_pair(kind, type, has_bias, offset, p, q, d, s, 8 * g + j, scale[j], bias[j], scale[j + 1], bias[j + 1], acc);
+                bz_pair(C, kind, type, has_bias, offset, p, q, d, s, 8 * g + j, scale[j], bias[j], scale[j + 1], bias[j + 1], acc);
             }
         }
     } else {
@@ -663,17 +714,19 @@ BASERT_ALWAYS_INLINE void bz_block(const int kind, const int type, const int sym
                 if ((b * pair_bytes / 2) % 64 == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * pair_bytes / 2);
                 const ptrdiff_t j0 = b / per_group - g0, j1 = (b + 1) / per_group - g0;
-                acc = bz_pair(kind, type, has_bias, offset, p, q, d, s, b, scale[j0], bias[j0], scale[j1], bias[j1], acc);
+                bz_pair(C, kind, type, has_bias, offset, p, q, d, s, b, scale[j0], bias[j0], scale[j1], bias[j1], acc);
             }
-            if (b < end) acc = bq_single(kind, type, has_bias, offset, p, q, b, scale[gn - 1], bias[gn - 1], d[b], s[b], acc);
+            if (b < end) bq_cols(C, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[gn - 1], bias[gn - 1], acc);
         }
     }
-    if (R == BQ_ROWS) {
-        _mm256_storeu_ps(y + row, acc);
-    } else {
-        float out[BQ_ROWS];
-        _mm256_storeu_ps(out, acc);
-        for (int r = 0; r < R; r++) y[row + r] = out[r];
+    for (int c = 0; c < C; c++) {
+        if (R == BQ_ROWS) {
+            _mm256_storeu_ps(y + c * ldy + row, acc[c]);
+        } else {
+            float out[BQ_ROWS];
+            _mm256_storeu_ps(out, acc[c]);
+            for (int r = 0; r < R; r++) y[c * ldy + row + r] = out[r];
+        }
     }
 }
 #endif
@@ -914,30 +967,34 @@ static inline void bq_block(const int C, const int kind, const int type, const i
 }
 #endif
 
-/* Weight rows r0..r1 against activation rows c0..c1, BQ_ROWS weight rows at a time: in SIMD variants against one
- * activation row (decode; batches take the unpacking kernels), in the portable one against BQ_COLS at a time. */
+/* Weight rows row .. row + R against C activation records: the paired kernel where the AVX-512 variant has one for the
+ * weight, else bq_block. */
+BASERT_ALWAYS_INLINE void bq_run(const int C, const int kind, const int type, const int sym, const basert_weight *w,
+                                 ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
+#if defined(BASERT_AVX512)
+    if (BZ_PAIRS(kind, type)) {
+        bz_block(C, kind, type, sym, w, row, R, qx, rb, y, ldy);
+        return;
+    }
+#endif
+    bq_block(C, kind, type, sym, w, row, R, qx, rb, y, ldy);
+}
+
+/* Weight rows r0..r1 against activation rows c0..c1, BQ_ROWS weight rows against BQ_COLS activation rows at a time: each
+ * weight row's integers are unpacked once for those activation rows (decode, a few sequences, speculative
+ * verification; SIMD variants take the unpacking kernels for larger batches). */
 BASERT_ALWAYS_INLINE void bq_rows(const int kind, const int type, const int sym, const basert_weight *w, const uint8_t *qx,
                                   ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
         const int R = r1 - row < BQ_ROWS ? (int)(r1 - row) : BQ_ROWS;
-#if defined(BASERT_SIMD)
-#if defined(BASERT_AVX512)
-        if (BZ_PAIRS(kind, type)) {
-            for (ptrdiff_t c = c0; c < c1; c++) bz_block(kind, type, sym, w, row, R, qx + c * rb, y + c * ldy);
-            continue;
-        }
-#endif
-        for (ptrdiff_t c = c0; c < c1; c++) bq_block(kind, type, sym, w, row, R, qx + c * rb, y + c * ldy);
-#else
         ptrdiff_t c = c0;
-        for (; c + BQ_COLS <= c1; c += BQ_COLS) bq_block(BQ_COLS, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy);
+        for (; c + BQ_COLS <= c1; c += BQ_COLS) bq_run(BQ_COLS, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy);
         switch (c1 - c) {
-        case 3: bq_block(3, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
-        case 2: bq_block(2, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
-        case 1: bq_block(1, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
+        case 3: bq_run(3, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
+        case 2: bq_run(2, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
+        case 1: bq_run(1, kind, type, sym, w, row, R, qx + c * rb, rb, y + c * ldy, ldy); break;
         default: break;
         }
-#endif
     }
 }
 
@@ -1019,8 +1076,10 @@ static ptrdiff_t bq_cols_per_pass(ptrdiff_t rb, ptrdiff_t budget) {
     return cols < BQ_COLS ? BQ_COLS : cols;
 }
 
-/* Batches from this many activation rows on take the unpacking kernels (SIMD variants). */
-#define BG_MIN_M 2
+/* Batches from this many activation rows on take the unpacking kernels (SIMD variants); smaller ones the row-streaming
+ * kernels, BQ_COLS rows at once (1B Q4_K_M, all its matrices, 2 threads, Ice Lake, AVX-512: M = 2 43-60 ms against 75-88
+ * unpacked, M = 3 53-78 against 80-83, M = 8 129-155 against 118-151; M = 1 35-38). */
+#define BG_MIN_M (BQ_COLS + 1)
 
 void basert_qmatmul(const basert_weight *w, const uint8_t *qx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     if (m < 1 || r0 >= r1) return;
