@@ -293,7 +293,16 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
                 const ptrdiff_t f = basert_attn_first(n_pos[r], window);
                 if (p + 8 <= f) continue; /* scores already -inf */
                 float *s = scores + r * S + (p - p0), t = top[r]; /* a local max stays in a register */
-                if (p + 8 <= n_pos[r]) {
+                if (p + 8 <= n_pos[r] && p >= f) {
+                    /* The common case, all eight in the window: the max of eight is the same whatever its order. */
+                    const __m256 x8 = basert_scores8(q[r], buf, d, scale);
+                    _mm256_storeu_ps(s, x8);
+                    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x8), _mm256_extractf128_ps(x8, 1));
+                    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+                    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+                    const float x = _mm_cvtss_f32(m);
+                    if (x > t) t = x;
+                } else if (p + 8 <= n_pos[r]) {
                     const __m256 x8 = basert_scores8(q[r], buf, d, scale);
                     float x[8];
                     _mm256_storeu_ps(x, x8);
