@@ -112,6 +112,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", dest="spec_draft_max", action="store_const", const=0,
                    help="no speculative decoding (same as --spec-draft-max 0); a request can also turn it off "
                    "with \"speculative\": false")
+    p.add_argument("--context-shift", action="store_true",
+                   help="when a slot's context is full, keep the first --keep tokens of its history, drop the oldest "
+                   "half of the rest and go on generating (the response says \"truncated\"); a prompt longer than "
+                   "the context is cut the same way. Without it a prompt beyond the context is refused (400) and "
+                   "generation stops there (finish reason length)")
+    p.add_argument("--keep", dest="n_keep", type=int, default=0, metavar="N",
+                   help="with --context-shift: the prompt tokens a shift keeps, -1 all of them (default 0; a request "
+                   "sets its own with n_keep)")
     p.add_argument("--replica", type=int, metavar="K",
                    help="serve as replica K of a cluster (`basert cluster` sets it): the prefix cache file becomes "
                    "PATH.<K> (PATH.<model id>.<K> with several models), so a restarted replica warms from its own "
@@ -148,6 +156,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return "--drain-timeout must be >= 0"
     if not 0 <= args.spec_draft_max <= MAX_DRAFT_MAX:
         return f"--spec-draft-max must be in [0, {MAX_DRAFT_MAX}]"
+    if args.n_keep < -1:
+        return "--keep N needs N >= -1 (-1: the whole prompt)"
     if args.alias and len(model_specs(args)) > 1:
         return "--alias names the one served model: it cannot be used with several models"
     return None
@@ -202,6 +212,8 @@ def engine_options(args: argparse.Namespace):
         verify_checksums=args.verify_checksums,
         pooling=args.pooling,
         spec_draft_max=args.spec_draft_max,
+        context_shift=args.context_shift,
+        n_keep=args.n_keep,
     ).resolved()
 
 

@@ -48,6 +48,8 @@ class EngineOptions:
     token_budget: int = DEFAULT_TOKEN_BUDGET
     pooling: str = "mean"               # of embeddings: mean, last or cls (the first token)
     spec_draft_max: int = DEFAULT_DRAFT_MAX  # most drafted tokens per decode step; 0: no speculative decoding
+    context_shift: bool = False         # a full context drops the oldest half of a slot's history after n_keep ...
+    n_keep: int = 0                     # ... prompt tokens (-1: the whole prompt), by default
 
     def resolved(self) -> EngineOptions:
         """The options with their implications applied: a cache file implies the prefix cache; the prefix
@@ -72,6 +74,8 @@ class EngineOptions:
             raise ValueError("token_budget must be at least 1")
         if self.replica is not None and self.replica < 0:
             raise ValueError("replica must be >= 0")
+        if self.n_keep < -1:
+            raise ValueError("n_keep must be >= -1")
         if not 0 <= self.spec_draft_max <= MAX_DRAFT_MAX:
             raise ValueError(f"spec_draft_max must be in [0, {MAX_DRAFT_MAX}]")
         if self.pooling not in POOLINGS:
@@ -103,17 +107,20 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
         features = {name for name, on in (("continuous_batching", options.continuous_batching),
                                           ("paged_kv", options.paged_kv),
                                           ("prefix_cache", options.prefix_cache),
-                                          ("prefix_cache_file", options.prefix_cache_file is not None)) if on}
+                                          ("prefix_cache_file", options.prefix_cache_file is not None),
+                                          ("context_shift", options.context_shift)) if on}
         info = ModelInfo(id=model_id, path=path, arch=runner.arch, vocab_size=runner.vocab_size,
                          n_ctx=options.max_context, fingerprint=runner.fingerprint,
                          hybrid=runner.n_linear_layers > 0, n_slots=options.n_slots,
-                         hidden_size=runner.hidden_size, pooling=options.pooling, features=frozenset(features))
+                         hidden_size=runner.hidden_size, n_keep=options.n_keep, pooling=options.pooling,
+                         features=frozenset(features))
         cache_file = None
         if options.prefix_cache_file:
             cache_file = cache_file_of(options, model_id)
         return Engine(runner, tokenizer, info, prefix_cache=prefix_cache, prefix_cache_file=cache_file,
                       max_running=options.n_slots if options.continuous_batching else 1,
-                      token_budget=options.token_budget, draft_max=options.spec_draft_max)
+                      token_budget=options.token_budget, draft_max=options.spec_draft_max,
+                      context_shift=options.context_shift, n_keep=options.n_keep)
     except BaseException:
         runner.close()
         raise

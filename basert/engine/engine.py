@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -57,13 +58,23 @@ class KVCacheTooSmallError(InvalidRequestError, ValueError):
     """A prompt needs more KV blocks than the whole pool holds."""
 
 
+class NKeepError(InvalidRequestError, ValueError):
+    """n_keep keeps more of the prompt than a context shift can work with."""
+
+    param = "n_keep"
+
+
+# A context shift keeps at most the context less this many tokens, so that it frees at least one position.
+MIN_SHIFT = 4
+
+
 class Engine:
     """Slots over one ModelRunner, optionally sharing a prefix cache; build one with `build_engine`."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, info: ModelInfo, *,
                  prefix_cache: PrefixCache | None = None, prefix_cache_file: Path | None = None,
                  max_running: int = 1, token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 draft_max: int = DEFAULT_DRAFT_MAX):
+                 draft_max: int = DEFAULT_DRAFT_MAX, context_shift: bool = False, n_keep: int = 0):
         self.runner = runner
         self.tokenizer = tokenizer
         self.info = info
@@ -76,6 +87,8 @@ class Engine:
         self.draft_max = draft_max          # most drafted tokens per step; 0: no speculative decoding
         self.shared_ngrams = SharedNgrams(draft_max) if draft_max else None
         self.step_costs = StepCosts()       # what feeding drafts costs on this machine, measured as steps run
+        self.context_shift = context_shift  # a full context drops the oldest half after the kept prompt tokens
+        self.n_keep = n_keep                # the prompt tokens kept by default (-1: all)
         self._admissions = 0
 
     # --- admission ----------------------------------------------------------------------------
@@ -102,6 +115,7 @@ class Engine:
         if slot.busy:
             raise RuntimeError(f"slot {slot.index} is busy")
         self.check(request)
+        request, truncated = self._fitted(request)
         reused = self.slots.reuse_prefix(slot, request.prompt)
         self._admissions += 1
         slot.running = Running(
@@ -114,6 +128,7 @@ class Engine:
             cache_version=self.prefix_cache.version if self.prefix_cache is not None else -1,
             drafter=self._drafter_for(request),
         )
+        slot.running.output.truncated = truncated
 
     def _drafter_for(self, request: GenerationRequest) -> Drafter | None:
         """The request's drafter, None when it decodes without speculation."""
@@ -125,12 +140,52 @@ class Engine:
         Sampler at admission)."""
         if not request.prompt:
             raise ValueError("the prompt is empty")
-        if len(request.prompt) + 1 > self.runner.max_context:
-            raise ContextOverflowError(len(request.prompt), self.runner.max_context)
-        if blocks_for(len(request.prompt) + 1) > self.runner.pool.n_blocks:
+        n_ctx = self.runner.max_context
+        if self.context_shift:
+            keep, most = self._kept(request), n_ctx - MIN_SHIFT
+            if not 0 <= keep <= most:
+                raise NKeepError(f"n_keep keeps {keep} tokens of the prompt; with context shift it keeps at most "
+                                 f"{most} (the context is {n_ctx} tokens)")
+        elif len(request.prompt) + 1 > n_ctx:
+            raise ContextOverflowError(len(request.prompt), n_ctx)
+        n_prompt = len(self._fitted(request)[0].prompt)
+        if blocks_for(n_prompt + 1) > self.runner.pool.n_blocks:
             raise KVCacheTooSmallError(
-                f"the prompt ({len(request.prompt)} tokens) does not fit in the KV cache "
+                f"the prompt ({n_prompt} tokens) does not fit in the KV cache "
                 f"({self.runner.pool.n_blocks * BLOCK_SIZE} tokens)")
+
+    def _kept(self, request: GenerationRequest) -> int:
+        """The prompt tokens a context shift keeps."""
+        n_keep = self.n_keep if request.n_keep is None else request.n_keep
+        return len(request.prompt) if n_keep == -1 else n_keep
+
+    def _fitted(self, request: GenerationRequest) -> tuple[GenerationRequest, bool]:
+        """The request with a prompt that fits the context, and whether it was cut to fit: with context shift a
+        longer prompt keeps its first n_keep tokens and drops whole halves of the room after them, oldest first
+        (llama.cpp's truncation), so that at least half of that room holds the prompt's last tokens."""
+        prompt, n_ctx = request.prompt, self.runner.max_context
+        if not self.context_shift or len(prompt) + 1 <= n_ctx:
+            return request, False
+        keep = self._kept(request)
+        half = (n_ctx - keep) // 2
+        erased = (len(prompt) - keep - half) // half * half
+        return replace(request, prompt=[*prompt[:keep], *prompt[keep + erased:]],
+                       segment_ends=tuple(end for end in request.segment_ends if end <= keep)), True
+
+    def _shift(self, slot: Slot) -> None:
+        """A decoding slot whose next token has no room left: keep the first n_keep tokens of its history, drop the
+        oldest half of the rest and compute the remainder again (its KV positions change: recomputing is exact
+        where re-rotating cached keys would not be); the token already sampled is fed after it."""
+        running, seq = slot.running, slot.sequence
+        keep = min(self._kept(running.request), seq.n_past)
+        dropped = (seq.n_past - keep) // 2
+        history = [*seq.tokens[:keep], *seq.tokens[keep + dropped:]]
+        self.slots.forget(slot)
+        running.pending = history
+        running.stops = []
+        running.draft = []
+        running.drafter = self._drafter_for(running.request)  # its n-gram positions were of the old history
+        running.output.truncated = True
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> FinishEvent | None:
         """Stop a request; its slot is free at once (what it computed stays a valid prefix). The request's
@@ -198,7 +253,9 @@ class Engine:
         if running.drafter is None:
             return []
         seq = slot.sequence
-        room = min(self.runner.max_context - seq.n_past - 1,
+        # The last position verified is the context's last but one: a token sampled there is the last the context
+        # holds (a context shift or the end comes after it, as without drafts).
+        room = min(self.runner.max_context - seq.n_past - 2,
                    running.request.max_tokens - len(running.output.generated) - 1,
                    self.token_budget - 1)
         return running.drafter.propose(seq.tokens, running.next_token, room, lanes)
@@ -269,6 +326,12 @@ class Engine:
                 events.extend(self._fail([(slot, chunk, wants)], exc))
         if redo:
             events.extend(self._advance_again(redo))
+        if self.context_shift:
+            for slot, _, _ in work:
+                running = slot.running
+                if (running is not None and running.next_token is not None and not running.pending
+                        and slot.sequence.n_past + 1 >= self.runner.max_context):
+                    self._shift(slot)
         return events
 
     def _verify(self, slot: Slot, chunk: list[int], logits: np.ndarray, now: float, before: RecurrentState | None,
@@ -333,7 +396,7 @@ class Engine:
             return [self._finish(slot, "stop", now)]
         if request.constraint is not None:
             request.constraint.consume(token)
-        finish = output.add(token, n_past + 1 >= self.runner.max_context, now)
+        finish = output.add(token, n_past + 1 >= self.runner.max_context and not self.context_shift, now)
         if finish is None:
             running.next_token = token
             return [TokenEvent(request.request_id, token, output.releasable(), logprob)]
@@ -349,7 +412,7 @@ class Engine:
         tail, usage, timings = output.close(now)
         self.slots.retire(slot)
         return FinishEvent(output.request.request_id, reason, tail, usage, timings, slot.index, output.timed_out,
-                           output.stop_word)
+                           output.stop_word, output.truncated)
 
     def _fail(self, work: list[tuple[Slot, list[int], bool]], exc: Exception) -> list[Event]:
         events: list[Event] = []

@@ -23,8 +23,10 @@ class ModelInfo:
     hybrid: bool                 # has recurrent (Gated DeltaNet) layers: state is kept at chat-segment ends
     n_slots: int
     hidden_size: int             # the width of the last hidden states: the size of an embedding
+    n_keep: int = 0              # with context shift: the prompt tokens a shift keeps by default (-1: all)
     pooling: str = "mean"        # how Engine.embed pools a sequence's hidden states by default: mean, last, cls
-    features: frozenset[str] = frozenset()  # "continuous_batching", "paged_kv", "prefix_cache", "prefix_cache_file"
+    features: frozenset[str] = frozenset()  # "continuous_batching", "paged_kv", "prefix_cache", "prefix_cache_file",
+                                            # "context_shift"
 
     def has(self, feature: str) -> bool:
         return feature in self.features

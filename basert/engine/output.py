@@ -20,7 +20,7 @@ class RequestOutput:
 
     __slots__ = ("request", "detokenizer", "generated", "text", "released", "cached_tokens", "started",
                  "prefill_started", "prefill_done", "first_token_at", "last_token_at", "timed_out", "stop_word",
-                 "prompt_not_computed", "draft_n", "draft_n_accepted")
+                 "prompt_not_computed", "draft_n", "draft_n_accepted", "truncated")
 
     def __init__(self, request: GenerationRequest, tokenizer: Tokenizer | None, cached_tokens: int):
         self.request = request
@@ -39,6 +39,7 @@ class RequestOutput:
         self.prompt_not_computed = 0     # prompt tokens left unfed when the deadline stopped the prefill
         self.draft_n = 0                 # drafted tokens fed (speculative decoding) ...
         self.draft_n_accepted = 0        # ... and accepted
+        self.truncated = False           # the context shifted (tokens dropped from the prompt or the history)
 
     def add(self, token: int, context_full: bool, now: float) -> str | None:
         """Append a generated token (not an end-of-sequence); the finish reason it causes, or None."""

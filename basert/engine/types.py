@@ -48,6 +48,9 @@ class GenerationRequest:
     stop_after: OutputStop | None = None
     speculative: bool = True               # drafts may be tried (the output is the same either way) ...
     draft_max: int | None = None           # ... at most this many per step (None: the engine's limit)
+    # With context shift: the prompt tokens kept when the context is full (-1: all of them; None: the engine's
+    # default), before the oldest half of the rest is dropped.
+    n_keep: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,7 @@ class FinishEvent:
     slot: int
     timed_out: bool = False
     stop_word: str = ""             # the stop string that ended the generation, if one did
+    truncated: bool = False         # the context shifted: tokens were dropped from the prompt or the history
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int],
                     id_prefix: str, segment_ends: tuple[int, ...] = (),
                     stop_after: Callable[[], OutputStop] | None = None) -> list[GenerationRequest]:
     """One GenerationRequest per choice (each with its own sampler seed, grammar matcher and `stop_after()`)."""
-    if len(prompt) + 1 > model.info.n_ctx:
+    if len(prompt) + 1 > model.info.n_ctx and not model.info.has("context_shift"):
         raise ContextOverflowError(len(prompt), model.info.n_ctx)
     if not prompt:
         raise invalid("the prompt is empty", "prompt")
@@ -65,6 +65,7 @@ def engine_requests(model: ServedModel, body: SamplingFields, prompt: list[int],
             stop_after=stop_after() if stop_after else None,
             speculative=body.speculative,
             draft_max=body.speculative_n_max,
+            n_keep=body.n_keep,
         ))
     return requests
 

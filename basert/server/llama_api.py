@@ -42,7 +42,7 @@ LLAMA_FEATURES_OFF = {
     "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
     "xtc_threshold": 0.1, "typical_p": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2,
     "dry_penalty_last_n": -1, "dry_sequence_breakers": ("\n", ":", '"', "*"), "mirostat": 0, "mirostat_tau": 5.0,
-    "mirostat_eta": 0.1, "min_keep": 0, "n_keep": 0, "n_discard": 0, "timings_per_token": False,
+    "mirostat_eta": 0.1, "min_keep": 0, "n_discard": 0, "timings_per_token": False,
     "post_sampling_probs": False,
 }
 # BaseRT's sampling chain in llama.cpp's sampler names, in the order the sampler applies them.
@@ -192,8 +192,8 @@ class NativeCompletion:
             "generation_settings": self.settings,
             "prompt": tokenizer.decode(output.prompt) if tokenizer is not None else "",
             "has_new_line": "\n" in output.text,
-            "truncated": done.finish_reason == "length" and
-                         usage.prompt_tokens + usage.completion_tokens >= self.model.info.n_ctx,
+            "truncated": done.truncated or (done.finish_reason == "length" and
+                                            usage.prompt_tokens + usage.completion_tokens >= self.model.info.n_ctx),
             "stop_type": stop_type(done),
             "stopping_word": done.stop_word,
             "timings": llama_timings(done),
@@ -317,6 +317,7 @@ def generation_settings(model: ServedModel, body: LlamaCompletionRequest, limits
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         **LLAMA_FEATURES_OFF,
+        "n_keep": model.info.n_keep if body.n_keep is None else body.n_keep,
         "stop": body.stop or [],
         "ignore_eos": body.ignore_eos,
         "stream": body.stream,

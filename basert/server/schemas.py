@@ -110,6 +110,8 @@ class SamplingFields(Lenient):
     # llama.cpp's `speculative.n_max` lowers the most drafted tokens per step.
     speculative: StrictBool = True
     speculative_n_max: StrictInt | None = Field(default=None, ge=0, le=MAX_DRAFT_MAX, alias="speculative.n_max")
+    # With --context-shift: the prompt tokens kept when the context is full (-1: all; default: the server's --keep).
+    n_keep: StrictInt | None = Field(default=None, ge=-1)
     # Constrained output, one at a time: llama.cpp's GBNF `grammar` and `json_schema`, OpenAI's `response_format`.
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
