@@ -131,7 +131,8 @@ def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
     pytest.param("--threads", "0", "threads must be at least 1", marks=pytest.mark.slow),
     ("-t", "0", "threads must be at least 1"),
     ("--spec-draft-max", "65", "--spec-draft-max must be in [0, 64]"),
-    pytest.param("--spec-draft-max", "-1", "--spec-draft-max must be in [0, 64]", marks=pytest.mark.slow)])
+    pytest.param("--spec-draft-max", "-1", "--spec-draft-max must be in [0, 64]", marks=pytest.mark.slow),
+    ("--keep", "-2", "--keep N needs N >= -1")])
 def test_serve_refuses_engine_options_that_cannot_work_in_one_line(flag: str, value: str, message: str) -> None:
     result = basert("serve", flag, value, "--port", "1")
     assert result.returncode == 2
