@@ -202,11 +202,22 @@ BASERT_ALWAYS_INLINE __m256 basert_scores8(const float *q, const float *k, ptrdi
     return _mm256_mul_ps(basert_hsum8x8(acc), _mm256_set1_ps(scale));
 }
 
-/* Float copies of the cache rows of positions p0 .. p1 (exact: half to float is exact), d apart. */
+/* Positions ahead of the one being gathered whose cache row is fetched meanwhile: the rows of a kv head are contiguous
+ * only within a cache block, so the hardware prefetcher loses the stream at every block boundary. */
+#define BASERT_ATTN_PREFETCH 16
+
+/* Float copies of the cache rows of positions p0 .. p1 (exact: half to float is exact), d apart; rows up to
+ * BASERT_ATTN_PREFETCH positions further, before `limit`, are prefetched. */
 static inline void basert_gather_rows(const void *src, int kv_f16, const int32_t *block_table, ptrdiff_t block_stride,
-                                      ptrdiff_t d, ptrdiff_t p0, ptrdiff_t p1, float *dst) {
+                                      ptrdiff_t d, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t limit, float *dst) {
+    const ptrdiff_t row_bytes = d * (kv_f16 ? 2 : 4);
     for (ptrdiff_t p = p0; p < p1; p++, dst += d) {
         const ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
+        if (p + BASERT_ATTN_PREFETCH < limit) {
+            const char *ahead = (const char *)src +
+                                basert_kv_row(block_table, block_stride, p + BASERT_ATTN_PREFETCH, d) * (kv_f16 ? 2 : 4);
+            for (ptrdiff_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+        }
         if (!kv_f16) {
             memcpy(dst, (const float *)src + row, (size_t)d * sizeof(float));
             continue;
@@ -287,7 +298,7 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
 #if defined(BASERT_SIMD)
         /* Positions p .. p + 7 lie in one block (8 divides the block size and p is a multiple of 8). */
         if (fast && (p & 7) == 0 && p + 8 <= end) {
-            basert_gather_rows(k, kv_f16, block_table, block_stride, d, p, p + 8, buf);
+            basert_gather_rows(k, kv_f16, block_table, block_stride, d, p, p + 8, end, buf);
             for (int r = 0; r < n_rows; r++) {
                 if (p >= n_pos[r] || !basert_attn_takes_part(n_pos[r], window, p0)) continue;
                 const ptrdiff_t f = basert_attn_first(n_pos[r], window);
@@ -344,7 +355,7 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
         const ptrdiff_t chunk = BASERT_ATTN_BUF_FLOATS / d;
         for (ptrdiff_t c0 = read_from; c0 < end; c0 += chunk) {
             const ptrdiff_t c1 = c0 + chunk < end ? c0 + chunk : end;
-            basert_gather_rows(v, kv_f16, block_table, block_stride, d, c0, c1, buf);
+            basert_gather_rows(v, kv_f16, block_table, block_stride, d, c0, c1, end, buf);
             for (int r = 0; r < n_rows; r++)
                 if (c0 < n_pos[r] && basert_attn_takes_part(n_pos[r], window, p0))
                     basert_weighted_rows_all(scores + r * S + (c0 - p0), (c1 < n_pos[r] ? c1 : n_pos[r]) - c0, buf, d,
