@@ -190,14 +190,14 @@ BASERT_ALWAYS_INLINE __m256 basert_hsum8x8(const __m256 *v) {
     return _mm256_permutevar8x32_ps(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* Scores of one query row against 8 float rows k[j * d ..] (d a multiple of 8): each is basert_dot
- * of q and that row (= basert_dot_f16 of the half row it was converted from), times scale. */
+/* Scores of one query row against the 8 float rows of k, interleaved as basert_gather8 writes them (d a multiple of
+ * 8): each is basert_dot of q and that row (= basert_dot_f16 of the half row it was converted from), times scale. */
 BASERT_ALWAYS_INLINE __m256 basert_scores8(const float *q, const float *k, ptrdiff_t d, float scale) {
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-    for (ptrdiff_t e = 0; e < d; e += 8) {
+    for (ptrdiff_t e = 0; e < d; e += 8, k += 64) {
         __m256 qv = _mm256_loadu_ps(q + e);
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * d + e), acc[j]);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 8 * j), acc[j]);
     }
     return _mm256_mul_ps(basert_hsum8x8(acc), _mm256_set1_ps(scale));
 }
@@ -226,6 +226,31 @@ static inline void basert_gather_rows(const void *src, int kv_f16, const int32_t
         ptrdiff_t e = 0;
         for (; e + 8 <= d; e += 8) _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + e))));
         for (; e < d; e++) dst[e] = basert_f16_to_f32(h[e]);
+    }
+}
+
+/* Float copies of the cache rows of positions p .. p + 8 (in one block), interleaved by groups of 8 columns: columns
+ * 8g .. 8g + 7 of row j at dst[64g + 8j], so that basert_scores8 reads the eight rows' groups from one pointer. Rows
+ * BASERT_ATTN_PREFETCH positions on, before `limit`, are prefetched. */
+static inline void basert_gather8(const void *src, int kv_f16, const int32_t *block_table, ptrdiff_t block_stride,
+                                  ptrdiff_t d, ptrdiff_t p, ptrdiff_t limit, float *dst) {
+    const ptrdiff_t row_bytes = d * (kv_f16 ? 2 : 4);
+    for (int j = 0; j < 8; j++) {
+        const ptrdiff_t row = basert_kv_row(block_table, block_stride, p + j, d);
+        if (p + j + BASERT_ATTN_PREFETCH < limit) {
+            const char *ahead = (const char *)src +
+                                basert_kv_row(block_table, block_stride, p + j + BASERT_ATTN_PREFETCH, d) * (kv_f16 ? 2 : 4);
+            for (ptrdiff_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+        }
+        float *out = dst + 8 * j;
+        if (kv_f16) {
+            const uint16_t *h = (const uint16_t *)src + row;
+            for (ptrdiff_t e = 0; e < d; e += 8, out += 64)
+                _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + e))));
+        } else {
+            const float *f = (const float *)src + row;
+            for (ptrdiff_t e = 0; e < d; e += 8, out += 64) _mm256_storeu_ps(out, _mm256_loadu_ps(f + e));
+        }
     }
 }
 
@@ -298,7 +323,7 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
 #if defined(BASERT_SIMD)
         /* Positions p .. p + 7 lie in one block (8 divides the block size and p is a multiple of 8). */
         if (fast && (p & 7) == 0 && p + 8 <= end) {
-            basert_gather_rows(k, kv_f16, block_table, block_stride, d, p, p + 8, end, buf);
+            basert_gather8(k, kv_f16, block_table, block_stride, d, p, end, buf);
             for (int r = 0; r < n_rows; r++) {
                 if (p >= n_pos[r] || !basert_attn_takes_part(n_pos[r], window, p0)) continue;
                 const ptrdiff_t f = basert_attn_first(n_pos[r], window);
@@ -313,20 +338,15 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
                     m = _mm_max_ss(m, _mm_movehdup_ps(m));
                     const float x = _mm_cvtss_f32(m);
                     if (x > t) t = x;
-                } else if (p + 8 <= n_pos[r]) {
+                } else {
+                    /* Positions before the window, or from the row's end on (scored, not kept), in the group. */
                     const __m256 x8 = basert_scores8(q[r], buf, d, scale);
                     float x[8];
                     _mm256_storeu_ps(x, x8);
-                    for (int j = 0; j < 8; j++) {
+                    for (ptrdiff_t j = 0; j < 8 && p + j < n_pos[r]; j++) {
                         if (p + j < f) x[j] = -INFINITY;
                         s[j] = x[j];
                         if (x[j] > t) t = x[j];
-                    }
-                } else {
-                    for (ptrdiff_t j = 0; p + j < n_pos[r]; j++) {
-                        float x = p + j < f ? -INFINITY : basert_dot(q[r], buf + j * d, d) * scale;
-                        s[j] = x;
-                        if (x > t) t = x;
                     }
                 }
                 top[r] = t;
