@@ -460,6 +460,30 @@ BASERT_ALWAYS_INLINE void bq_cols(const int C, const int kind, const int type, c
     }
 }
 
+/* The fields of C activation records qx + c * rb of k values, and their running sums zeroed. */
+BASERT_ALWAYS_INLINE void bq_records(const int C, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t k, const int16_t **q,
+                                     const float **d, const float **s, __m256 *acc) {
+    for (int c = 0; c < C; c++) {
+        q[c] = bq_codes(qx + c * rb);
+        d[c] = bq_scales(qx + c * rb, k);
+        s[c] = bq_sums(qx + c * rb, k);
+        acc[c] = _mm256_setzero_ps();
+    }
+}
+
+/* y[c * ldy + r] = lane r of acc[c], r < R. */
+BASERT_ALWAYS_INLINE void bq_store(const int C, int R, const __m256 *acc, float *y, ptrdiff_t ldy) {
+    for (int c = 0; c < C; c++) {
+        if (R == BQ_ROWS) {
+            _mm256_storeu_ps(y + c * ldy, acc[c]);
+        } else {
+            float out[BQ_ROWS];
+            _mm256_storeu_ps(out, acc[c]);
+            for (int r = 0; r < R; r++) y[c * ldy + r] = out[r];
+        }
+    }
+}
+
 /* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C activation records qx + c * rb (c < C <=
  * BQ_COLS). kind, type (GGUF blocks) and sym are constants of each instance. */
 BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, const int sym, const basert_weight *w,
@@ -474,12 +498,7 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
     const int16_t *q[BQ_COLS];
     const float *d[BQ_COLS], *s[BQ_COLS];
     __m256 acc[BQ_COLS];
-    for (int c = 0; c < C; c++) {
-        q[c] = bq_codes(qx + c * rb);
-        d[c] = bq_scales(qx + c * rb, k);
-        s[c] = bq_sums(qx + c * rb, k);
-        acc[c] = _mm256_setzero_ps();
-    }
+    bq_records(C, qx, rb, k, q, d, s, acc);
     __m256 scale[8], bias[8];
     /* Eight groups' scales at a time (a super-block's sub-blocks for the 256-value types), then their blocks. */
     for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
@@ -509,15 +528,7 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
             }
         }
     }
-    for (int c = 0; c < C; c++) {
-        if (R == BQ_ROWS) {
-            _mm256_storeu_ps(y + c * ldy + row, acc[c]);
-        } else {
-            float out[BQ_ROWS];
-            _mm256_storeu_ps(out, acc[c]);
-            for (int r = 0; r < R; r++) y[c * ldy + row + r] = out[r];
-        }
-    }
+    bq_store(C, R, acc, y + row, ldy);
 }
 
 #if defined(BASERT_AVX512)
@@ -681,12 +692,7 @@ BASERT_ALWAYS_INLINE void bz_block(const int C, const int kind, const int type, 
     const int16_t *q[BQ_COLS];
     const float *d[BQ_COLS], *s[BQ_COLS];
     __m256 acc[BQ_COLS];
-    for (int c = 0; c < C; c++) {
-        q[c] = bq_codes(qx + c * rb);
-        d[c] = bq_scales(qx + c * rb, k);
-        s[c] = bq_sums(qx + c * rb, k);
-        acc[c] = _mm256_setzero_ps();
-    }
+    bq_records(C, qx, rb, k, q, d, s, acc);
     __m256 scale[8], bias[8];
     if (gguf) {
         /* A super-block at a time: its eight sub-blocks' A and B, then its four pairs, the next eight rows' bytes of it
@@ -719,15 +725,7 @@ BASERT_ALWAYS_INLINE void bz_block(const int C, const int kind, const int type, 
             if (b < end) bq_cols(C, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[gn - 1], bias[gn - 1], acc);
         }
     }
-    for (int c = 0; c < C; c++) {
-        if (R == BQ_ROWS) {
-            _mm256_storeu_ps(y + c * ldy + row, acc[c]);
-        } else {
-            float out[BQ_ROWS];
-            _mm256_storeu_ps(out, acc[c]);
-            for (int r = 0; r < R; r++) y[c * ldy + row + r] = out[r];
-        }
-    }
+    bq_store(C, R, acc, y + row, ldy);
 }
 #endif
 
