@@ -14,7 +14,16 @@ from conftest import SMOLLM2_CHAT_FLAGS
 
 from basert.chat.grammar import GrammarFactory
 from basert.engine.build import EngineOptions, build_engine
-from basert.engine.drafts import FIRST_PROBE, NGRAM_SIZES, PRIOR_EXTRA_COST, Drafter, SharedNgrams, StepCosts
+from basert.engine.drafts import (
+    FIRST_PROBE,
+    MATCH_BANDS,
+    NGRAM_SIZES,
+    PRIOR_EXTRA_COST,
+    Drafter,
+    SharedNgrams,
+    StepCosts,
+    band_of,
+)
 from basert.engine.engine import Engine
 from basert.engine.sampler import SamplingParams
 from basert.engine.types import FailEvent, FinishEvent, GenerationRequest, TokenEvent
@@ -240,7 +249,8 @@ def test_drafter_proposes_what_followed_the_longest_suffix():
 
 
 def test_drafts_are_as_long_as_they_pay():
-    history = list(range(20)) * 2
+    # The last four tokens occurred once before, after another token than now: a match of four.
+    history = [100, *range(20), 200, 0, 1, 2, 3]
 
     def first_draft(extra: float, accepted: int, rejected: int) -> list[int]:
         drafter = Drafter(8, None, step_costs(extra))
@@ -260,8 +270,25 @@ def test_drafts_are_as_long_as_they_pay():
     proposals = []
     for _ in range(FIRST_PROBE):
         proposals.append(dear.propose(history[:-1], history[-1], room=8))
-        history.append((history[-1] + 1) % 20)
+        history.append(history[-1] + 1)           # the copy goes on (a match still under 8 tokens)
     assert proposals[:-1] == [[]] * (FIRST_PROBE - 1) and len(proposals[-1]) >= 1
+
+
+def test_a_longer_match_drafts_more():
+    """The same costs and no history of acceptance: a draft whose source matches the last 16 tokens is trusted
+    further than one that matches just the n-gram looked up; each band learns from its own drafts."""
+    copy = [*range(40), *range(16)]                 # copying: the last 16 tokens match
+    phrase = [*range(40), 500, *range(3)]           # a common phrase: 4 tokens match
+    assert band_of(16) == len(MATCH_BANDS) - 1 and band_of(4) == 0
+    long_draft = Drafter(8, None, step_costs(0.3)).propose(copy[:-1], copy[-1], room=8)
+    short_draft = Drafter(8, None, step_costs(0.3)).propose(phrase[:-1], phrase[-1], room=8)
+    assert long_draft == list(range(16, 16 + len(long_draft)))
+    assert short_draft[:1] == [3] and len(short_draft) < len(long_draft)
+    drafter = Drafter(8, None, step_costs(0.3))
+    assert drafter.propose(copy[:-1], copy[-1], room=8)
+    for _ in range(6):
+        drafter.update(drafted=8, accepted=0)      # the long matches failed: that band learns it
+    assert drafter.acceptance(len(MATCH_BANDS) - 1) < 0.5 and drafter.acceptance(0) == 0.5
 
 
 def test_step_costs_fall_back_to_a_prior_until_measured():

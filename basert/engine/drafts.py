@@ -13,10 +13,12 @@ sampler picks itself (`Engine.step`), so a draft only ever changes the speed. Ho
 tokens to draft (K) is a bet, made each step: a step that feeds K more tokens costs `StepCosts.ratio` times one
 that does not (measured on this machine as the engine runs: on a CPU a few more tokens cost little where decode
 waits for memory and nearly their share where it computes), and the request's recent acceptance rate `a`
-predicts 1 + a + a^2 + ... + a^K tokens from it. K is the draft length that gives the most tokens per unit of
-cost, and no draft when none gives more than decoding alone; such a request still probes with its best draft
-after 4, 8, ... 64 steps without one, so that text which starts repeating is noticed (text that never repeats
-pays at most a rare probe).
+predicts 1 + a + a^2 + ... + a^K tokens from it. The rate depends on how long a match the draft comes from: its source
+agrees with the history's last m tokens (m at least the n looked up), and the longer m, the likelier the text goes
+on as it did there (a copy in progress, not a common phrase), so acceptance is counted per band of m, each from its
+own prior. K is the draft length that gives the most tokens per unit of cost, and no draft when none gives more than
+decoding alone; such a request still probes with its best draft after 4, 8, ... 64 steps without one, so that text
+which starts repeating is noticed (text that never repeats pays at most a rare probe).
 """
 
 from __future__ import annotations
@@ -32,8 +34,21 @@ SHARED_NGRAMS = 1 << 16          # entries of a model's shared table
 PRIOR_EXTRA_COST = 0.25
 COST_MEMORY = 0.2                # weight of the newest observation in a step cost's running average
 ACCEPTANCE_MEMORY = 0.8          # weight of the history in a request's acceptance counts (per draft)
+# A draft's source matches the history's last `m` tokens, not just the n-gram looked up; the longer that match, the
+# likelier the text goes on as it did. Acceptance is counted per band of m (the bands' lower ends), each with its
+# own prior of (accepted, rejected) counts.
+MATCH_BANDS = (0, 8, 16)
+MATCH_PRIORS = ((1.0, 1.0), (4.0, 1.0), (12.0, 1.0))
 FIRST_PROBE = 4                  # steps without a draft before the first probe, doubling up to ...
 LAST_PROBE = 64
+
+
+def band_of(match: int) -> int:
+    """The band of MATCH_BANDS a match length falls in."""
+    band = 0
+    while band + 1 < len(MATCH_BANDS) and match >= MATCH_BANDS[band + 1]:
+        band += 1
+    return band
 
 
 class StepCosts:
@@ -90,10 +105,10 @@ class SharedNgrams:
 
 
 class Drafter:
-    """One request's drafts: a copy of its history with an n-gram index, and its acceptance rate."""
+    """One request's drafts: a copy of its history with an n-gram index, and its acceptance rates."""
 
-    __slots__ = ("_accepted", "_after", "_history", "_probe_every", "_rejected", "_since_draft", "costs",
-                 "draft_max", "shared")
+    __slots__ = ("_after", "_band", "_counts", "_history", "_probe_every", "_since_draft", "costs", "draft_max",
+                 "shared")
 
     def __init__(self, draft_max: int, shared: SharedNgrams | None, costs: StepCosts | None = None):
         self.draft_max = draft_max
@@ -101,24 +116,27 @@ class Drafter:
         self.costs = costs if costs is not None else StepCosts()
         self._history: list[int] = []
         self._after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
-        self._accepted = 1.0        # decayed counts of accepted and rejected draft tokens: a prior of 1 each
-        self._rejected = 1.0
+        # Decayed counts of accepted and rejected draft tokens per band of match length, from their priors.
+        self._counts = [list(prior) for prior in MATCH_PRIORS]
+        self._band = 0              # the band of the last draft proposed
         self._since_draft = 0       # steps since the last draft
         self._probe_every = FIRST_PROBE
 
-    @property
-    def acceptance(self) -> float:
-        """The chance that a drafted token is accepted, given that the ones before it were."""
-        return self._accepted / (self._accepted + self._rejected)
+    def acceptance(self, band: int = 0) -> float:
+        """The chance that a drafted token is accepted, given that the ones before it were, for a draft whose
+        source matches the history over a length in `band`."""
+        accepted, rejected = self._counts[band]
+        return accepted / (accepted + rejected)
 
     def propose(self, computed: Sequence[int], next_token: int, room: int, lanes: int = 1) -> list[int]:
         """The tokens to draft after the history (the tokens `computed` so far, then `next_token`; each call's
         history extends the previous call's): at most `room`, chosen for a step of `lanes` decoding slots."""
         self._extend(computed, next_token)
-        continuation = self._continuation(min(room, self.draft_max))
+        continuation, match = self._continuation(min(room, self.draft_max))
         if not continuation:
             return []
-        k, gain = self._best_length(len(continuation), lanes)
+        self._band = band_of(match)
+        k, gain = self._best_length(len(continuation), lanes, self.acceptance(self._band))
         self._since_draft += 1
         if gain <= 1.0:
             if self._since_draft < self._probe_every:
@@ -131,15 +149,15 @@ class Drafter:
         """How the last draft fared: `accepted` of its `drafted` tokens were the sampler's own."""
         if drafted == 0:
             return
-        self._accepted = ACCEPTANCE_MEMORY * self._accepted + accepted
-        self._rejected = ACCEPTANCE_MEMORY * self._rejected + (accepted < drafted)
+        counts = self._counts[self._band]
+        counts[0] = ACCEPTANCE_MEMORY * counts[0] + accepted
+        counts[1] = ACCEPTANCE_MEMORY * counts[1] + (accepted < drafted)
         if accepted:
             self._probe_every = FIRST_PROBE
 
-    def _best_length(self, most: int, lanes: int) -> tuple[int, float]:
-        """The draft length up to `most` with the most expected tokens per cost, and that ratio over decoding
-        alone."""
-        rate = self.acceptance
+    def _best_length(self, most: int, lanes: int, rate: float) -> tuple[int, float]:
+        """The draft length up to `most` with the most expected tokens per cost when each token is accepted with
+        chance `rate` after the ones before it, and that ratio over decoding alone."""
         best, best_gain, expected, term = 1, 0.0, 1.0, 1.0
         for k in range(1, most + 1):
             term *= rate
@@ -149,10 +167,12 @@ class Drafter:
                 best, best_gain = k, gain
         return best, best_gain
 
-    def _continuation(self, limit: int) -> list[int]:
-        """Up to `limit` tokens that followed the longest matching suffix of the history."""
+    def _continuation(self, limit: int) -> tuple[list[int], int]:
+        """Up to `limit` tokens that followed the longest matching suffix of the history, and how many of the
+        history's last tokens their source matches (at most the last band's start; the looked-up n for a
+        continuation from the shared table)."""
         if limit <= 0:
-            return []
+            return [], 0
         history = self._history
         length = len(history)
         for n in NGRAM_SIZES:
@@ -161,12 +181,15 @@ class Drafter:
             suffix = tuple(history[length - n:])
             at = self._after[n].get(suffix)
             if at is not None:
-                return history[at: at + limit]
+                match = n
+                while match < MATCH_BANDS[-1] and match < at and history[at - 1 - match] == history[length - 1 - match]:
+                    match += 1
+                return history[at: at + limit], match
             if n == NGRAM_SIZES[0] and self.shared is not None:
                 found = self.shared.follow(suffix)
                 if found:
-                    return list(found[:limit])
-        return []
+                    return list(found[:limit]), n
+        return [], 0
 
     def _extend(self, computed: Sequence[int], next_token: int) -> None:
         """Append what the history gained since the last call, indexing the n-grams that end before each new
