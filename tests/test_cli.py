@@ -124,10 +124,13 @@ def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
 
 # The default run refuses one spelling of each option (the aliases are parsed as one option: `-c` and
 # `--ctx-size` show in test_serve_flag_errors_show_the_usage_of_serve); `-m slow` tries every spelling.
+# (Contexts that the model or the memory cannot hold are found when the model loads: test_context_sizes.py.)
 @pytest.mark.parametrize(("flag", "value", "message"), [
     ("--max-context", "1", "max_context must be at least 2"),
-    pytest.param("-c", "1", "max_context must be at least 2", marks=pytest.mark.slow),
-    pytest.param("--ctx-size", "1", "max_context must be at least 2", marks=pytest.mark.slow),
+    ("-c", "7", "a total context of 7 tokens gives each of 4 slot(s) less than 2"),
+    pytest.param("--ctx-size", "1", "a total context of 1 tokens gives each of 4 slot(s) less than 2",
+                 marks=pytest.mark.slow),
+    ("--kv-memory", "lots", "'lots' is not a size"),
     pytest.param("--threads", "0", "threads must be at least 1", marks=pytest.mark.slow),
     ("-t", "0", "threads must be at least 1"),
     ("--spec-draft-max", "65", "--spec-draft-max must be in [0, 64]"),
@@ -194,7 +197,8 @@ def served_mode(log: str) -> str:
 def test_serve_batches_and_caches_by_default(flags: tuple[str, ...], mode: str, tiny_f32_bases: dict[str, Path],
                                              tmp_path: Path) -> None:
     """Without flags: 4 slots decoded together sharing a prefix cache; llama.cpp's -np/--parallel set the slots."""
-    with ServerProcess(tiny_f32_bases["qwen3-tiny"], "-c", "1024", *flags, log_path=tmp_path / "server.log") as server:
+    with ServerProcess(tiny_f32_bases["qwen3-tiny"], "--max-context", "1024", *flags,
+                       log_path=tmp_path / "server.log") as server:
         assert served_mode(server.log_text()) == mode
         props = httpx.get(server.url + "/props").json()
         assert props["total_slots"] == int(mode.split()[0])
@@ -207,7 +211,7 @@ def test_serve_flag_errors_show_the_usage_of_serve() -> None:
     assert result.stderr.startswith("usage: basert serve")
     assert "basert serve: error: unrecognized arguments: --no-such-flag" in result.stderr
     result = basert("serve", "-c", "lots")
-    assert result.returncode == 2 and "basert serve: error: argument --max-context/--ctx-size/-c" in result.stderr
+    assert result.returncode == 2 and "basert serve: error: argument --ctx-size/-c" in result.stderr
     result = basert("serve", "--no-prefix-cache", "--prefix-cache-file", "pc", "--port", "1")
     assert result.returncode == 2 and "--no-prefix-cache and --prefix-cache-file disagree" in result.stderr
 

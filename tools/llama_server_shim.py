@@ -56,10 +56,10 @@ class Translation:
     notes: list[str] = field(default_factory=list)
 
     def serve_arguments(self) -> list[str]:
-        """The `basert serve` arguments: llama.cpp splits its context among the slots, BaseRT sizes it per slot."""
+        """The `basert serve` arguments (-c means what it means to llama-server: the context over all slots)."""
         arguments = [self.model] if self.model else []
         if self.context > 0:
-            arguments += ["--max-context", str(max(self.context // self.parallel, 2))]
+            arguments += ["-c", str(max(self.context, 2 * self.parallel))]
         if self.parallel > 1:
             arguments += ["--slots", str(self.parallel)]
         for origin in self.cors_origins or ["localhost" if self.server_tools else "*"]:

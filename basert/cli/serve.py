@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -32,8 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require Authorization: Bearer KEY or X-Api-Key: KEY (repeatable)")
     p.add_argument("--api-key-file", type=Path,
                    help="file with one API key per line (blank lines ignored; a file without a key is an error)")
-    p.add_argument("--max-context", "--ctx-size", "-c", type=int, default=4096,
-                   help="context window per slot (default 4096; -c/--ctx-size as in llama.cpp)")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="context window of each slot in tokens (default: -c's share, else the context the model "
+                   "was trained on; beyond it is refused), within --kv-memory")
+    p.add_argument("--ctx-size", "-c", dest="context_total", type=int, default=None, metavar="N",
+                   help="tokens of context over all slots, as llama.cpp's -c: each of the --slots gets N / slots "
+                   "and the shared KV pool holds N tokens")
+    p.add_argument("--kv-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="memory the KV pool may take, e.g. 4GiB or 512MiB (default: a quarter of the memory "
+                   "available at start); a default pool that does not fit shrinks (the slots share it), a pool or "
+                   "context asked for that does not fit is refused")
     p.add_argument("--max-tokens", type=int, default=2048, help="default max_tokens (default 2048)")
     p.add_argument("--threads", "-t", type=int, help="engine threads (default: one per physical core)")
     p.add_argument("--exact", action="store_true",
@@ -44,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one shared KV block pool, blocks allocated on demand (implied by continuous batching "
                    "and the prefix cache; without both, each slot reserves --max-context)")
     p.add_argument("--kv-cache-tokens", type=int, metavar="N",
-                   help="size of the paged KV pool in tokens (default: slots x max-context); implies --paged-kv")
+                   help="size of the paged KV pool in tokens (default: -c, else slots x max-context within "
+                   "--kv-memory); implies --paged-kv")
     p.add_argument("--continuous-batching", type=int, nargs="?", const=8, default=None, metavar="N",
                    help=f"N slots decoded together in one forward, with chunked prefill; implies --paged-kv "
                    f"(default on: {DEFAULT_LANES} slots, or -np N; the flag alone means 8)")
@@ -163,6 +173,22 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     return None
 
 
+SIZE_UNITS = {"": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+              "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def memory_size(text: str) -> int:
+    """Bytes of a size such as 4GiB, 512MiB, 1.5G or 1000000 (argparse type)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = SIZE_UNITS.get(match.group(2).lower()) if match else None
+    if unit is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4GiB, 512MiB, 1.5G or a number of bytes)")
+    size = int(float(match.group(1)) * unit)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return size
+
+
 class StartupError(Exception):
     """A problem that stops the server before it serves: reported as one line, exit code 1."""
 
@@ -203,6 +229,9 @@ def engine_options(args: argparse.Namespace):
         continuous_batching=bool(lanes),
         paged_kv=args.paged_kv,
         kv_cache_tokens=args.kv_cache_tokens,
+        context_total=args.context_total,
+        kv_memory=args.kv_memory,
+        within_trained=True,
         kv_bits=args.kv_bits,
         threads=args.threads,
         prefix_cache=args.prefix_cache is not False,
@@ -304,6 +333,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from basert.actor.messages import FailGenerations
     from basert.cli.generate import model_path_for
+    from basert.engine.build import ContextSizeError
     from basert.format.atomic import remove_stale_temp_files
     from basert.format.errors import ModelValidationError
     from basert.server.app import ServerSettings, create_app, is_loopback
@@ -333,7 +363,7 @@ def serve(args: argparse.Namespace) -> int:
         path = model_path_for(spec)
         try:
             model = load_model(path, args)
-        except ModelValidationError as exc:
+        except (ModelValidationError, ContextSizeError) as exc:
             raise StartupError(str(exc)) from None
         catalog.add(model, alias=args.alias)
         log.info("loaded %s from %s (%s, n_ctx %d)", model.info.id, path, model.info.arch, model.info.n_ctx)

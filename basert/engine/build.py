@@ -8,6 +8,7 @@ Python API, the CLI, the tools and the tests all build engines here, so they all
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,25 +18,35 @@ from basert.engine.drafts import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX
 from basert.engine.embeddings import POOLINGS
 from basert.engine.engine import Engine
 from basert.engine.info import ModelInfo
-from basert.engine.kv import blocks_for
+from basert.engine.kv import BLOCK_SIZE, blocks_for
 from basert.engine.prefix_cache import PrefixCache
 from basert.engine.runner import ModelRunner
 from basert.engine.saved_state import adopt_prefix_cache_file, prefix_cache_file
 from basert.engine.scheduler import DEFAULT_TOKEN_BUDGET
+from basert.format import BaseFile
+from basert.models import read_config
+from basert.models.config import DecoderConfig
 from basert.tokenizer import Tokenizer
 
 log = logging.getLogger("basert.engine")
+
+DEFAULT_CONTEXT = 4096   # tokens per slot of a model that does not say what it was trained on
+KV_MEMORY_SHARE = 0.25   # of the memory available at start, what the KV pool may take by default
+GIB = 2**30
 
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
     """How to load and run one model (the engine's part of `basert serve`'s flags)."""
 
-    max_context: int = 4096             # tokens per slot
+    max_context: int | None = 4096      # tokens per slot (None: see plan_context)
     n_slots: int = 1
     continuous_batching: bool = False   # every slot generates at once; else one request at a time
     paged_kv: bool = False              # one shared pool of KV blocks; else each slot reserves max_context
     kv_cache_tokens: int | None = None  # size of the paged pool (default: n_slots x max_context)
+    context_total: int | None = None    # llama.cpp's -c: tokens of context over all slots (the pool's size)
+    kv_memory: int | None = None        # bytes the KV pool may take (default: KV_MEMORY_SHARE of available memory)
+    within_trained: bool = False        # refuse a context beyond the model's trained one (the server does)
     kv_bits: int = 16                   # KV element width: 16 or 32
     threads: int | None = None          # default: every core this process may run on
     exact: bool | None = None           # quantized weights on the exact float32 path (None: BASERT_EXACT / --exact)
@@ -55,15 +66,21 @@ class EngineOptions:
         """The options with their implications applied: a cache file implies the prefix cache; the prefix
         cache, continuous batching and a pool size imply paged KV."""
         prefix_cache = self.prefix_cache or self.prefix_cache_file is not None
-        paged = self.paged_kv or prefix_cache or self.continuous_batching or self.kv_cache_tokens is not None
+        paged = (self.paged_kv or prefix_cache or self.continuous_batching or self.kv_cache_tokens is not None
+                 or self.context_total is not None)
         return replace(self, prefix_cache=prefix_cache, paged_kv=paged)
 
     def check(self) -> None:
         """Raise ValueError naming the first option that cannot work."""
-        if self.max_context < 2:
-            raise ValueError("max_context must be at least 2")
         if self.n_slots < 1:
             raise ValueError("n_slots must be at least 1")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError("max_context must be at least 2")
+        if self.context_total is not None and self.context_total < 2 * self.n_slots:
+            raise ValueError(f"a total context of {self.context_total} tokens gives each of {self.n_slots} slot(s) "
+                             "less than 2")
+        if self.kv_memory is not None and self.kv_memory < 1:
+            raise ValueError("kv_memory must be at least 1 byte")
         if self.kv_bits not in (16, 32):
             raise ValueError("kv_bits must be 16 or 32")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 16:
@@ -82,16 +99,82 @@ class EngineOptions:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}")
 
 
+class ContextSizeError(ValueError):
+    """A context or KV pool that the model or the memory cannot hold (one line, naming the flag to change)."""
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation without swapping (Linux: MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_context(options: EngineOptions, config: DecoderConfig, kv_itemsize: int,
+                 available: int | None = None) -> tuple[int, int]:
+    """(tokens of context per slot, tokens of the KV pool) for options that are resolved and checked.
+
+    The context per slot is --max-context, else -c's share (context_total / n_slots), else the model's trained
+    context (DEFAULT_CONTEXT when the model does not say), which options.within_trained makes a limit. The pool
+    is --kv-cache-tokens, else -c, else one full context per slot, and its bytes must fit the memory budget
+    (kv_memory, default KV_MEMORY_SHARE of `available` memory): a pool that was asked for and does not fit is a
+    ContextSizeError, and so is a context beyond the trained one; a default pool shrinks to what fits (the slots
+    share it), and so does a default context when not even one fits."""
+    per_token = 2 * config.kv_layers * config.num_key_value_heads * config.head_dim * kv_itemsize
+    trained = config.trained_context
+    asked = options.max_context or (options.context_total // options.n_slots if options.context_total else None)
+    max_context = asked or trained or DEFAULT_CONTEXT
+    if trained and max_context > trained and options.within_trained:
+        flag = "--max-context" if options.max_context else "-c/--ctx-size over the slots"
+        raise ContextSizeError(f"a context of {max_context} tokens per slot ({flag}) is beyond the "
+                               f"{trained} tokens the model was trained on")
+    pool_asked = options.kv_cache_tokens or options.context_total
+    pool = pool_asked or options.n_slots * max_context
+    if available is None:
+        available = available_memory()
+    budget = options.kv_memory or int(available * KV_MEMORY_SHARE)
+    where = (f"the --kv-memory budget of {budget / GIB:.2f} GiB" if options.kv_memory else
+             f"{KV_MEMORY_SHARE:.0%} of the {available / GIB:.1f} GiB of memory available (--kv-memory)")
+    fits = budget // max(per_token, 1) // BLOCK_SIZE * BLOCK_SIZE
+    if pool > fits:
+        if pool_asked or (asked and max_context > fits):
+            tokens = pool if pool_asked else max_context
+            raise ContextSizeError(f"a KV pool of {tokens} tokens needs {tokens * per_token / GIB:.2f} GiB, more "
+                                   f"than {where}: lower -c, --max-context or --slots, or raise --kv-memory")
+        if fits < BLOCK_SIZE:
+            raise ContextSizeError(f"not one block of the KV pool ({BLOCK_SIZE * per_token} bytes) fits in {where}")
+        log.info("KV pool of %d tokens (%.2f GiB) for %d slot(s) of %d tokens does not fit in %s: %d tokens, shared",
+                 pool, pool * per_token / GIB, options.n_slots, max_context, where, fits)
+        pool, max_context = fits, min(max_context, fits)
+    return max_context, pool
+
+
 def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> Engine:
     """Open a .base model and wire its engine; raises ModelValidationError for a file that cannot serve,
-    ValueError for options that cannot work."""
+    ContextSizeError for a context the model or the memory cannot hold, ValueError for options that cannot
+    work."""
     options = options.resolved()
     options.check()
     path = Path(path)
-    kv_blocks = blocks_for(options.kv_cache_tokens) if options.paged_kv and options.kv_cache_tokens else None
+    kv_dtype = np.float16 if options.kv_bits == 16 else np.float32
+    with BaseFile(path, verify_checksums=False) as base:
+        config = read_config(base)
+    max_context, pool = plan_context(options, config, np.dtype(kv_dtype).itemsize)
+    if not options.paged_kv and pool < options.n_slots * max_context:
+        # Each slot reserves its context: a smaller pool means smaller contexts.
+        max_context = pool // options.n_slots // BLOCK_SIZE * BLOCK_SIZE
+        if max_context < 2:
+            raise ContextSizeError(f"{options.n_slots} slots that each reserve their context do not fit in the "
+                                   "memory for the KV pool: use fewer --slots or --paged-kv")
+    options = replace(options, max_context=max_context)
+    kv_blocks = blocks_for(pool) if options.paged_kv else None
     runner = ModelRunner(path, max_context=options.max_context, threads=options.threads,
-                         max_sequences=options.n_slots, kv_blocks=kv_blocks,
-                         kv_dtype=np.float16 if options.kv_bits == 16 else np.float32,
+                         max_sequences=options.n_slots, kv_blocks=kv_blocks, kv_dtype=kv_dtype,
                          verify_checksums=options.verify_checksums, exact=options.exact)
     try:
         tokenizer = tokenizer_of(runner.base.pop_tokenizer())

@@ -45,16 +45,22 @@ FAMILIES: dict[str, ModelFamily] = {
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
-def build_model(base: BaseFile, max_pos: int) -> DecoderModel:
-    """The forward pass for a .base file; raises ModelValidationError when its arch, config and tensors
-    do not fit together."""
+def read_config(base: BaseFile) -> DecoderConfig:
+    """The typed config of a .base file's header; raises ModelValidationError when the architecture is not
+    supported or the config is not valid for it."""
     arch = ARCHITECTURES.get(base.arch)
     if arch is None:
         raise ModelValidationError(
             f"{base.path}: architecture {base.arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})")
-    family = FAMILIES[arch.family]
+    return FAMILIES[arch.family].read_config(ConfigReader(base), arch)
+
+
+def build_model(base: BaseFile, max_pos: int) -> DecoderModel:
+    """The forward pass for a .base file; raises ModelValidationError when its arch, config and tensors
+    do not fit together."""
+    config = read_config(base)
+    family = FAMILIES[ARCHITECTURES[base.arch].family]
     reader = ConfigReader(base)
-    config = family.read_config(reader, arch)
     n_layers = config.num_hidden_layers
     found = {int(match.group(1)) for name in base.tensors if (match := _LAYER_INDEX.match(name))}
     if found != set(range(n_layers)):
@@ -70,4 +76,4 @@ def build_model(base: BaseFile, max_pos: int) -> DecoderModel:
     return model
 
 
-__all__ = ["FAMILIES", "DecoderModel", "ModelFamily", "build_model"]
+__all__ = ["FAMILIES", "DecoderModel", "ModelFamily", "build_model", "read_config"]

@@ -179,10 +179,16 @@ class DecoderConfig:
     rope_theta: float
     rotary_dim: int                 # leading dims of each head that RoPE rotates, even and at most head_dim
     rope_style: str                 # "interleaved" (adjacent pairs) or "split_half"
+    trained_context: int | None     # positions the model was trained on (max_position_embeddings), if known
 
     @property
     def rope_interleaved(self) -> bool:
         return self.rope_style == "interleaved"
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep K and V for every position (attention layers)."""
+        return self.num_hidden_layers
 
 
 def _decoder_values(config: ConfigReader) -> dict[str, Any]:
@@ -205,6 +211,7 @@ def _decoder_values(config: ConfigReader) -> dict[str, Any]:
         "rope_theta": config.number("rope_theta"),
         "rotary_dim": rotary_dim,
         "rope_style": config.choice("rope_style", ROPE_STYLES),
+        "trained_context": config.optional_count("max_position_embeddings"),
     }
 
 
@@ -242,6 +249,10 @@ class Qwen35Config(DecoderConfig):
     attn_output_gate: bool                     # full attention's output is multiplied by sigmoid(gate)
     linear_attention: LinearAttentionConfig
     moe: MoEConfig | None                      # None for the dense arch
+
+    @property
+    def kv_layers(self) -> int:
+        return self.layer_types.count("full_attention")
 
     @classmethod
     def read(cls, config: ConfigReader, arch: Architecture) -> Qwen35Config:

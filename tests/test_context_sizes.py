@@ -1,0 +1,121 @@
+"""How big a context each slot gets and how big the KV pool is: the model's trained context by default, llama.cpp's
+-c as the context over all slots, everything within a memory budget; what the model or the memory cannot hold is
+a one-line start-up error (exit 1) when it was asked for, and a smaller shared pool when it was a default."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from basert.engine.build import ContextSizeError, EngineOptions, build_engine, plan_context
+from basert.format import BaseFile
+from basert.models import read_config
+from basert.testing.launcher import ServerProcess
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def smollm2_config(smollm2_base: Path):
+    with BaseFile(smollm2_base) as base:
+        return read_config(base)
+
+
+def per_token(config, itemsize: int = 2) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+
+
+def plan(config, available: int = 64 * GIB, **fields) -> tuple[int, int]:
+    options = EngineOptions(**{"max_context": None, **fields}).resolved()
+    options.check()
+    return plan_context(options, config, 2, available)
+
+
+def test_the_trained_context_by_default_and_c_split_over_the_slots(smollm2_config):
+    assert smollm2_config.trained_context == 8192
+    assert plan(smollm2_config, n_slots=4) == (8192, 4 * 8192)
+    assert plan(smollm2_config, n_slots=4, context_total=4096) == (1024, 4096)
+    assert plan(smollm2_config, n_slots=4, max_context=2048) == (2048, 4 * 2048)
+    assert plan(smollm2_config, n_slots=4, max_context=2048, kv_cache_tokens=4096) == (2048, 4096)
+    # Beyond the trained context: refused where asked (the server), allowed elsewhere (a benchmark at depth).
+    with pytest.raises(ContextSizeError, match="16384 tokens per slot .--max-context. is beyond the 8192 tokens"):
+        plan(smollm2_config, max_context=16384, within_trained=True)
+    with pytest.raises(ContextSizeError, match="-c/--ctx-size over the slots"):
+        plan(smollm2_config, n_slots=2, context_total=32768, within_trained=True)
+    assert plan(smollm2_config, max_context=16384) == (16384, 16384)
+
+
+def test_the_pool_is_sized_from_memory(smollm2_config):
+    token = per_token(smollm2_config)
+    budget = 3000 * token + 5                       # room for 2992 tokens (whole blocks of 16)
+    # Defaults shrink: four slots share a pool of what fits, and no slot's context is larger than the pool.
+    assert plan(smollm2_config, n_slots=4, kv_memory=budget) == (2992, 2992)
+    assert plan(smollm2_config, n_slots=4, max_context=1024, kv_memory=budget) == (1024, 2992)
+    # The default budget is a share of the memory available.
+    assert plan(smollm2_config, n_slots=4, available=4 * 3000 * token) == (2992, 2992)
+    # What was asked for and does not fit is refused, naming the sizes and the flags.
+    with pytest.raises(ContextSizeError, match=r"a KV pool of 4096 tokens needs 0\.\d\d GiB, more than the "
+                                               r"--kv-memory budget .* lower -c, --max-context or --slots"):
+        plan(smollm2_config, n_slots=4, context_total=4096, kv_memory=budget)
+    with pytest.raises(ContextSizeError, match="a KV pool of 4096 tokens"):
+        plan(smollm2_config, kv_cache_tokens=4096, kv_memory=budget)
+    with pytest.raises(ContextSizeError, match="8192 tokens .* than 25% of the 0.2 GiB of memory available"):
+        plan(smollm2_config, max_context=8192, available=8192 * token)
+    with pytest.raises(ContextSizeError, match="not one block"):
+        plan(smollm2_config, kv_memory=token)
+
+
+def test_an_engine_gets_what_was_planned(smollm2_base: Path, smollm2_config):
+    token = per_token(smollm2_config)
+    engine = build_engine(smollm2_base, EngineOptions(max_context=None, n_slots=2, continuous_batching=True,
+                                                      kv_memory=5000 * token))
+    try:
+        assert engine.info.n_ctx == 4992
+        assert engine.stats()["kv_bytes"] == 4992 * token
+    finally:
+        engine.close()
+    # Slots that each reserve their context (no paged pool) split what fits.
+    engine = build_engine(smollm2_base, EngineOptions(max_context=None, n_slots=2, kv_memory=5000 * token))
+    try:
+        assert engine.info.n_ctx == 2496
+    finally:
+        engine.close()
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "basert", "serve", *args, "--port", "1"], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--max-context", "16384"), "a context of 16384 tokens per slot (--max-context) is beyond the 8192 tokens the "
+                                 "model was trained on"),
+    (("-c", "65536", "-np", "2"), "a context of 32768 tokens per slot (-c/--ctx-size over the slots) is beyond"),
+    (("-c", "8192", "--kv-memory", "1MiB"), "a KV pool of 8192 tokens needs 0.18 GiB, more than the --kv-memory "
+                                            "budget of 0.00 GiB"),
+])
+def test_serve_refuses_what_the_model_or_the_memory_cannot_hold(smollm2_base: Path, flags, message):
+    result = serve(str(smollm2_base), *flags)
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_takes_the_trained_context_and_c_as_llama_cpp(smollm2_base: Path, tmp_path: Path):
+    with ServerProcess(smollm2_base, "-np", "2", log_path=tmp_path / "default.log") as server:
+        props = httpx.get(server.url + "/props").json()
+        assert props["default_generation_settings"]["n_ctx"] == 8192
+        assert "2 slot(s), KV paged: 1024 blocks of 16 tokens" in server.log_text()
+    with ServerProcess(smollm2_base, "-c", "4096", "-np", "2", log_path=tmp_path / "c.log") as server:
+        props = httpx.get(server.url + "/props").json()
+        assert props["default_generation_settings"]["n_ctx"] == 2048 and props["total_slots"] == 2
+        assert "2 slot(s), KV paged: 256 blocks of 16 tokens" in server.log_text()
+        # A prompt beyond a slot's share is the usual 400.
+        response = httpx.post(server.url + "/completion", json={"prompt": "hi " * 2100, "n_predict": 1}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["type"] == "exceed_context_size_error"
