@@ -42,6 +42,7 @@ def test_the_trained_context_by_default_and_c_split_over_the_slots(smollm2_confi
     assert plan(smollm2_config, n_slots=4, context_total=4096) == (1024, 4096)
     assert plan(smollm2_config, n_slots=4, max_context=2048) == (2048, 4 * 2048)
     assert plan(smollm2_config, n_slots=4, max_context=2048, kv_cache_tokens=4096) == (2048, 4096)
+    assert plan(smollm2_config, n_slots=4, kv_cache_tokens=4096) == (4096, 4096)   # no context beyond the pool
     # Beyond the trained context: refused where asked (the server), allowed elsewhere (a benchmark at depth).
     with pytest.raises(ContextSizeError, match="16384 tokens per slot .--max-context. is beyond the 8192 tokens"):
         plan(smollm2_config, max_context=16384, within_trained=True)

@@ -135,6 +135,8 @@ def plan_context(options: EngineOptions, config: DecoderConfig, kv_itemsize: int
                                f"{trained} tokens the model was trained on")
     pool_asked = options.kv_cache_tokens or options.context_total
     pool = pool_asked or options.n_slots * max_context
+    if not asked:   # a default context is never larger than the pool asked for
+        max_context = min(max_context, pool)
     if available is None:
         available = available_memory()
     budget = options.kv_memory or int(available * KV_MEMORY_SHARE)
