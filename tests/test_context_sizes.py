@@ -97,6 +97,7 @@ def serve(*args: str) -> subprocess.CompletedProcess:
     (("--max-context", "16384"), "a context of 16384 tokens per slot (--max-context) is beyond the 8192 tokens the "
                                  "model was trained on"),
     (("-c", "65536", "-np", "2"), "a context of 32768 tokens per slot (-c/--ctx-size over the slots) is beyond"),
+    (("-c", "16384"), "a context of 16384 tokens per slot (-c/--ctx-size) is beyond"),
     (("-c", "8192", "--kv-memory", "1MiB"), "a KV pool of 8192 tokens needs 0.18 GiB, more than the --kv-memory "
                                             "budget of 0.00 GiB"),
 ])
@@ -120,3 +121,8 @@ def test_serve_takes_the_trained_context_and_c_as_llama_cpp(smollm2_base: Path, 
         # A prompt beyond a slot's share is the usual 400.
         response = httpx.post(server.url + "/completion", json={"prompt": "hi " * 2100, "n_predict": 1}, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["type"] == "exceed_context_size_error"
+    # Without -np, as llama-server: the default slots share one pool of -c tokens, and any of them may fill it.
+    with ServerProcess(smollm2_base, "-c", "4096", log_path=tmp_path / "unified.log") as server:
+        props = httpx.get(server.url + "/props").json()
+        assert props["default_generation_settings"]["n_ctx"] == 4096 and props["total_slots"] == 4
+        assert "4 slot(s), KV paged: 256 blocks of 16 tokens" in server.log_text()

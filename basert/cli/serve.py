@@ -37,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context window of each slot in tokens (default: -c's share, else the context the model "
                    "was trained on; beyond it is refused), within --kv-memory")
     p.add_argument("--ctx-size", "-c", dest="context_total", type=int, default=None, metavar="N",
-                   help="tokens of context over all slots, as llama.cpp's -c: each of the --slots gets N / slots "
-                   "and the shared KV pool holds N tokens")
+                   help="tokens of context over all slots, as llama.cpp's -c: the shared KV pool holds N tokens; "
+                   "with -np/--slots each slot gets N / slots, without it any slot may use all N")
     p.add_argument("--kv-memory", type=memory_size, default=None, metavar="SIZE",
                    help="memory the KV pool may take, e.g. 4GiB or 512MiB (default: a quarter of the memory "
                    "available at start); a default pool that does not fit shrinks (the slots share it), a pool or "
@@ -223,8 +223,12 @@ def engine_options(args: argparse.Namespace):
     lanes = args.continuous_batching
     if lanes is None:  # batched by default, as many lanes as -np asks for
         lanes = args.slots or DEFAULT_LANES
+    max_context = args.max_context
+    if max_context is None and args.context_total and args.slots is None:
+        # As llama-server without -np: one unified pool of -c tokens that any slot may fill.
+        max_context = args.context_total
     return EngineOptions(
-        max_context=args.max_context,
+        max_context=max_context,
         n_slots=lanes or args.slots or 1,
         continuous_batching=bool(lanes),
         paged_kv=args.paged_kv,

@@ -130,7 +130,8 @@ def plan_context(options: EngineOptions, config: DecoderConfig, kv_itemsize: int
     asked = options.max_context or (options.context_total // options.n_slots if options.context_total else None)
     max_context = asked or trained or DEFAULT_CONTEXT
     if trained and max_context > trained and options.within_trained:
-        flag = "--max-context" if options.max_context else "-c/--ctx-size over the slots"
+        flag = ("-c/--ctx-size" if options.max_context == options.context_total else
+                "--max-context" if options.max_context else "-c/--ctx-size over the slots")
         raise ContextSizeError(f"a context of {max_context} tokens per slot ({flag}) is beyond the "
                                f"{trained} tokens the model was trained on")
     pool_asked = options.kv_cache_tokens or options.context_total
