@@ -27,11 +27,11 @@ def smollm2_config(smollm2_base: Path):
 
 
 def per_token(config, itemsize: int = 2) -> int:
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+    return 2 * config.kv_layers * config.num_key_value_heads * config.head_dim * itemsize
 
 
 def plan(config, available: int = 64 * GIB, **fields) -> tuple[int, int]:
-    options = EngineOptions(**{"max_context": None, **fields}).resolved()
+    options = EngineOptions(**{"max_context": None, "continuous_batching": True, **fields}).resolved()
     options.check()
     return plan_context(options, config, 2, available)
 
@@ -69,6 +69,10 @@ def test_the_pool_is_sized_from_memory(smollm2_config):
         plan(smollm2_config, max_context=8192, available=8192 * token)
     with pytest.raises(ContextSizeError, match="not one block"):
         plan(smollm2_config, kv_memory=token)
+    # Slots that each reserve their context (no paged pool) split what fits.
+    assert plan(smollm2_config, n_slots=2, continuous_batching=False, kv_memory=budget) == (1488, 2992)
+    with pytest.raises(ContextSizeError, match="256 slots that each reserve their context do not fit"):
+        plan(smollm2_config, n_slots=256, continuous_batching=False, kv_memory=budget)
 
 
 def test_an_engine_gets_what_was_planned(smollm2_base: Path, smollm2_config):
@@ -80,12 +84,24 @@ def test_an_engine_gets_what_was_planned(smollm2_base: Path, smollm2_config):
         assert engine.stats()["kv_bytes"] == 4992 * token
     finally:
         engine.close()
-    # Slots that each reserve their context (no paged pool) split what fits.
     engine = build_engine(smollm2_base, EngineOptions(max_context=None, n_slots=2, kv_memory=5000 * token))
     try:
         assert engine.info.n_ctx == 2496
     finally:
         engine.close()
+
+
+def test_the_planned_bytes_are_the_pool_bytes_on_every_family(tiny_f32_bases: dict[str, Path], gemma3_base: Path):
+    """The plan counts a token's KV from the config (hybrids keep KV in their full-attention layers only); the
+    engine allocates it from the built layers: the two agree for every family."""
+    for name, path in {**tiny_f32_bases, "gemma3": gemma3_base}.items():
+        with BaseFile(path) as base:
+            config = read_config(base)
+        engine = build_engine(path, EngineOptions(max_context=256, n_slots=1, paged_kv=True, kv_cache_tokens=256))
+        try:
+            assert engine.stats()["kv_bytes"] == 256 * per_token(config), name
+        finally:
+            engine.close()
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:

@@ -123,8 +123,8 @@ def plan_context(options: EngineOptions, config: DecoderConfig, kv_itemsize: int
     context (DEFAULT_CONTEXT when the model does not say), which options.within_trained makes a limit. The pool
     is --kv-cache-tokens, else -c, else one full context per slot, and its bytes must fit the memory budget
     (kv_memory, default KV_MEMORY_SHARE of `available` memory): a pool that was asked for and does not fit is a
-    ContextSizeError, and so is a context beyond the trained one; a default pool shrinks to what fits (the slots
-    share it), and so does a default context when not even one fits."""
+    ContextSizeError, and so is a context beyond the trained one; a default pool shrinks to what fits, shared by
+    paged slots (a default context no larger than it) or split between slots that reserve their context."""
     per_token = 2 * config.kv_layers * config.num_key_value_heads * config.head_dim * kv_itemsize
     trained = config.trained_context
     asked = options.max_context or (options.context_total // options.n_slots if options.context_total else None)
@@ -151,9 +151,15 @@ def plan_context(options: EngineOptions, config: DecoderConfig, kv_itemsize: int
                                    f"than {where}: lower -c, --max-context or --slots, or raise --kv-memory")
         if fits < BLOCK_SIZE:
             raise ContextSizeError(f"not one block of the KV pool ({BLOCK_SIZE * per_token} bytes) fits in {where}")
-        log.info("KV pool of %d tokens (%.2f GiB) for %d slot(s) of %d tokens does not fit in %s: %d tokens, shared",
-                 pool, pool * per_token / GIB, options.n_slots, max_context, where, fits)
-        pool, max_context = fits, min(max_context, fits)
+        # Slots that share a paged pool each may fill it; slots that each reserve their context split it.
+        share = fits if options.paged_kv else fits // options.n_slots // BLOCK_SIZE * BLOCK_SIZE
+        if share < 2:
+            raise ContextSizeError(f"{options.n_slots} slots that each reserve their context do not fit in {where}: "
+                                   "use fewer --slots or --paged-kv")
+        log.info("KV pool of %d tokens (%.2f GiB) for %d slot(s) of %d tokens does not fit in %s: %d tokens%s",
+                 pool, pool * per_token / GIB, options.n_slots, max_context, where, fits,
+                 ", shared" if options.paged_kv else f", {share} per slot")
+        pool, max_context = fits, min(max_context, share)
     return max_context, pool
 
 
@@ -168,12 +174,6 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
     with BaseFile(path, verify_checksums=False) as base:
         config = read_config(base)
     max_context, pool = plan_context(options, config, np.dtype(kv_dtype).itemsize)
-    if not options.paged_kv and pool < options.n_slots * max_context:
-        # Each slot reserves its context: a smaller pool means smaller contexts.
-        max_context = pool // options.n_slots // BLOCK_SIZE * BLOCK_SIZE
-        if max_context < 2:
-            raise ContextSizeError(f"{options.n_slots} slots that each reserve their context do not fit in the "
-                                   "memory for the KV pool: use fewer --slots or --paged-kv")
     options = replace(options, max_context=max_context)
     kv_blocks = blocks_for(pool) if options.paged_kv else None
     runner = ModelRunner(path, max_context=options.max_context, threads=options.threads,
