@@ -127,8 +127,8 @@ def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
 # (Contexts that the model or the memory cannot hold are found when the model loads: test_context_sizes.py.)
 @pytest.mark.parametrize(("flag", "value", "message"), [
     ("--max-context", "1", "max_context must be at least 2"),
-    ("-c", "7", "a total context of 7 tokens gives each of 4 slot(s) less than 2"),
-    pytest.param("--ctx-size", "1", "a total context of 1 tokens gives each of 4 slot(s) less than 2",
+    ("-c", "1", "a total context of 1 tokens (-c) leaves a slot less than 2"),
+    pytest.param("--ctx-size", "1", "a total context of 1 tokens (-c) leaves a slot less than 2",
                  marks=pytest.mark.slow),
     ("--kv-memory", "lots", "'lots' is not a size"),
     pytest.param("--threads", "0", "threads must be at least 1", marks=pytest.mark.slow),

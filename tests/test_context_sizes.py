@@ -49,6 +49,11 @@ def test_the_trained_context_by_default_and_c_split_over_the_slots(smollm2_confi
     with pytest.raises(ContextSizeError, match="-c/--ctx-size over the slots"):
         plan(smollm2_config, n_slots=2, context_total=32768, within_trained=True)
     assert plan(smollm2_config, max_context=16384) == (16384, 16384)
+    # -c split between slots must leave each at least 2 tokens; one pool that any slot fills (as llama-server
+    # without -np) needs 2 in all.
+    with pytest.raises(ValueError, match="a total context of 7 tokens .-c. leaves a slot less than 2"):
+        EngineOptions(n_slots=4, max_context=None, context_total=7).check()
+    EngineOptions(n_slots=4, max_context=7, context_total=7).check()
 
 
 def test_the_pool_is_sized_from_memory(smollm2_config):

@@ -74,11 +74,13 @@ class EngineOptions:
         """Raise ValueError naming the first option that cannot work."""
         if self.n_slots < 1:
             raise ValueError("n_slots must be at least 1")
+        if self.context_total is not None:
+            # Split between the slots, unless each may fill all of it (max_context = context_total: one pool).
+            unified = self.max_context == self.context_total
+            if (self.context_total if unified else self.context_total // self.n_slots) < 2:
+                raise ValueError(f"a total context of {self.context_total} tokens (-c) leaves a slot less than 2")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError("max_context must be at least 2")
-        if self.context_total is not None and self.context_total < 2 * self.n_slots:
-            raise ValueError(f"a total context of {self.context_total} tokens gives each of {self.n_slots} slot(s) "
-                             "less than 2")
         if self.kv_memory is not None and self.kv_memory < 1:
             raise ValueError("kv_memory must be at least 1 byte")
         if self.kv_bits not in (16, 32):
