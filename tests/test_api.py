@@ -157,7 +157,7 @@ def test_a_model_spec_resolves_as_the_cli_resolves_it(tmp_path: Path, monkeypatc
 @pytest.fixture(scope="module")
 def smollm2_chat(smollm2_base: Path):
     """SmolLM2 loaded as the chat server (SMOLLM2_CHAT_FLAGS) loads it: 16-bit KV, two threads."""
-    with basert.Model(smollm2_base, max_context=1024, threads=2, kv_bits=16) as model:
+    with basert.Model(smollm2_base, max_context=1024, threads=2, cache_type="f16") as model:
         yield model
 
 
@@ -264,7 +264,7 @@ def test_a_model_without_a_chat_template_cannot_chat(tiny_f32_bases: dict[str, P
 @pytest.fixture(scope="module")
 def hybrid_chat(qwen35_chat_base: Path):
     """The tiny hybrid loaded as the hybrid chat server (HYBRID_CHAT_FLAGS) loads it: the Qwen3.5 template."""
-    with basert.Model(qwen35_chat_base, max_context=1024, kv_bits=16,
+    with basert.Model(qwen35_chat_base, max_context=1024, cache_type="f16",
                       chat_template=QWEN35_TEMPLATE.read_text()) as model:
         yield model
 

@@ -99,7 +99,7 @@ def test_round_robin_ignores_prefixes():
 @pytest.mark.parametrize("argv", [
     [],
     ["--max-context", "8192", "--no-prefix-cache", "--api-key", "a", "--api-key", "b", "--slots", "2"],
-    ["--prefix-cache-file", "/tmp/pc", "--no-continuous-batching", "--kv-bits", "32", "--no-metrics"],
+    ["--prefix-cache-file", "/tmp/pc", "--no-continuous-batching", "-ctk", "f32", "--no-metrics"],
     ["--continuous-batching", "--alias", "agent", "--chat-template", "/tmp/t.jinja", "--rate-limit", "10"],
     ["-c", "2048", "-np", "3", "--no-slots", "--cors-allow-origin", "*", "--no-verify-checksums"],
 ])

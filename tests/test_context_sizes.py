@@ -26,14 +26,17 @@ def smollm2_config(smollm2_base: Path):
         return read_config(base)
 
 
-def per_token(config, itemsize: int = 2) -> int:
-    return 2 * config.kv_layers * config.num_key_value_heads * config.head_dim * itemsize
+def per_token(config, k: str = "f16", v: str = "f16") -> int:
+    """KV bytes of one token: a K row and a V row per kv head of each attention layer."""
+    row = {"f32": 4 * config.head_dim, "f16": 2 * config.head_dim, "bf16": 2 * config.head_dim,
+           "q8_0": config.head_dim // 32 * 34}
+    return config.kv_layers * config.num_key_value_heads * (row[k] + row[v])
 
 
 def plan(config, available: int = 64 * GIB, **fields) -> tuple[int, int]:
     options = EngineOptions(**{"max_context": None, "continuous_batching": True, **fields}).resolved()
     options.check()
-    return plan_context(options, config, 2, available)
+    return plan_context(options, config, available)
 
 
 def test_the_trained_context_by_default_and_c_split_over_the_slots(smollm2_config):
@@ -96,17 +99,32 @@ def test_an_engine_gets_what_was_planned(smollm2_base: Path, smollm2_config):
         engine.close()
 
 
-def test_the_planned_bytes_are_the_pool_bytes_on_every_family(tiny_f32_bases: dict[str, Path], gemma3_base: Path):
-    """The plan counts a token's KV from the config (hybrids keep KV in their full-attention layers only); the
-    engine allocates it from the built layers: the two agree for every family."""
+@pytest.mark.parametrize(("k", "v"), [("f16", "f16"), ("q8_0", "q8_0"), ("bf16", "q8_0")])
+def test_the_planned_bytes_are_the_pool_bytes_on_every_family(tiny_f32_bases: dict[str, Path], gemma3_base: Path,
+                                                              k: str, v: str):
+    """The plan counts a token's KV from the config (hybrids keep KV in their full-attention layers only) and the KV
+    types; the engine allocates it from the built layers: the two agree for every family."""
     for name, path in {**tiny_f32_bases, "gemma3": gemma3_base}.items():
         with BaseFile(path) as base:
             config = read_config(base)
-        engine = build_engine(path, EngineOptions(max_context=256, n_slots=1, paged_kv=True, kv_cache_tokens=256))
+        options = EngineOptions(max_context=256, n_slots=1, paged_kv=True, kv_cache_tokens=256, cache_type_k=k,
+                                cache_type_v=v)
+        assert plan_context(options, config) == (256, 256)
+        engine = build_engine(path, options)
         try:
-            assert engine.stats()["kv_bytes"] == 256 * per_token(config), name
+            assert engine.stats()["kv_bytes"] == 256 * per_token(config, k, v), name
         finally:
             engine.close()
+
+
+def test_q8_0_kv_fits_a_pool_that_f16_does_not(smollm2_config):
+    """A q8_0 row of 64 values takes 68 bytes against f16's 128: the same budget holds 1.88 times the tokens."""
+    budget = 100 * 2**20
+    with pytest.raises(ContextSizeError, match="a KV pool of 8192 tokens needs 0.18 GiB"):
+        plan(smollm2_config, context_total=8192, kv_memory=budget)
+    assert plan(smollm2_config, context_total=8192, kv_memory=budget, cache_type_k="q8_0", cache_type_v="q8_0") == \
+        (8192, 8192)
+    assert per_token(smollm2_config, "q8_0", "q8_0") / per_token(smollm2_config) == 68 / 128
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
@@ -121,6 +139,8 @@ def serve(*args: str) -> subprocess.CompletedProcess:
     (("-c", "16384"), "a context of 16384 tokens per slot (-c/--ctx-size) is beyond"),
     (("-c", "8192", "--kv-memory", "1MiB"), "a KV pool of 8192 tokens needs 0.18 GiB, more than the --kv-memory "
                                             "budget of 0.00 GiB"),
+    (("-ctk", "q4_9"), "unknown KV cache type 'q4_9': use one of f32, f16, bf16, q8_0 (--cache-type-k)"),
+    (("--cache-type-v", "int8"), "unknown KV cache type 'int8': use one of f32, f16, bf16, q8_0 (--cache-type-v)"),
 ])
 def test_serve_refuses_what_the_model_or_the_memory_cannot_hold(smollm2_base: Path, flags, message):
     result = serve(str(smollm2_base), *flags)

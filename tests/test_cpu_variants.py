@@ -19,6 +19,7 @@ from gguf_files import random_blocks
 
 import basert._ext as ext
 from basert._ext import matmul
+from basert._ext.kvtypes import kv_type
 from basert.format.quant import f32_to_bf16_bits, quantize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,7 @@ def kernels(variant: str, module: str):
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def test_native_variant_is_chosen_and_registered() -> None:
@@ -277,11 +278,11 @@ def run_attention(variant: str) -> list[np.ndarray]:
     rng = np.random.default_rng(11)
     attn = kernels(variant, "attention")
     outs = []
-    for dtype in (np.float32, np.float16):
-        for d in (64, 72):
+    for k_type, v_type in (("f32", "f32"), ("f16", "f16"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q8_0", "f16")):
+        for d in (64, 72) if k_type != "q8_0" else (64, 96):
             n_blocks, n_kv, H, T = 6, 2, 6, 37
-            k_cache = np.zeros((n_blocks, n_kv, 16, d), dtype=dtype)
-            v_cache = np.zeros_like(k_cache)
+            k_cache, v_cache = (np.zeros((n_blocks, n_kv, 16, kv_type(name).row_units(d)), dtype=kv_type(name).storage)
+                                for name in (k_type, v_type))
             table = rng.permutation(n_blocks)[:3].astype(np.int32)
             k = rng.standard_normal((T, n_kv, d), dtype=np.float32)
             v = rng.standard_normal((T, n_kv, d), dtype=np.float32)
@@ -289,7 +290,7 @@ def run_attention(variant: str) -> list[np.ndarray]:
             q = rng.standard_normal((T, H, d), dtype=np.float32)
             out = np.empty_like(q)
             attn.attention(q, k_cache, v_cache, table, 0, d ** -0.5, out)
-            outs += [k_cache.astype(np.float32), out]
+            outs += [k_cache, v_cache, out]
             one = np.empty_like(q[:1])
             attn.attention(np.ascontiguousarray(q[-1:]), k_cache, v_cache, table, T - 1, d ** -0.5, one)
             outs.append(one)

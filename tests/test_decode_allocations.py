@@ -5,13 +5,11 @@ from __future__ import annotations
 import tracemalloc
 from pathlib import Path
 
-import numpy as np
-
 from basert.engine.runner import ForwardRequest, ModelRunner
 
 
 def test_a_decode_step_allocates_no_array_data(smollm2_base: Path):
-    runner = ModelRunner(smollm2_base, max_context=256, kv_dtype=np.float16)
+    runner = ModelRunner(smollm2_base, max_context=256, cache_type_k="f16", cache_type_v="f16")
     seq = runner.new_sequence()
     runner.forward([ForwardRequest(seq, list(range(1, 20)))])
     for token in (5, 6):            # the workspace reaches its decode size

@@ -12,8 +12,9 @@ from basert.engine.runner import ForwardRequest, ModelRunner
 from basert.models.plan import MAX_GRAPH_TOKENS
 
 
-def open_runner(path: Path, kv_dtype: type, threads: int, graph: bool, max_context: int = 320) -> ModelRunner:
-    runner = ModelRunner(path, max_context=max_context, max_sequences=3, kv_dtype=kv_dtype, threads=threads)
+def open_runner(path: Path, kv: str, threads: int, graph: bool, max_context: int = 320) -> ModelRunner:
+    runner = ModelRunner(path, max_context=max_context, max_sequences=3, cache_type_k=kv, cache_type_v=kv,
+                         threads=threads)
     if not graph:
         runner.model.graph = None
     return runner
@@ -54,29 +55,29 @@ def per_kernel_logits() -> dict[tuple[str, str], list[np.ndarray]]:
 
 
 def graph_cases() -> list:
-    """(model, KV dtype, threads): the default run checks SmolLM2 at 2 threads (test_one_graph_follows_thread_count_
-    changes holds its graph to the same bits at 1, 2 and 3) and the tiny model at each; `-m slow` adds SmolLM2's
-    graph started at 1 and 3 threads, and f32 KV."""
+    """(model, KV type, threads): the default run checks SmolLM2 at 2 threads (test_one_graph_follows_thread_count_
+    changes holds its graph to the same bits at 1, 2 and 3) and the tiny model at each, in f16 and q8_0 KV; `-m slow`
+    adds SmolLM2's graph started at 1 and 3 threads, and f32 and bf16 KV."""
     cases = []
     for name in ("smollm2", "qwen3-tiny"):
-        for kv_dtype, kv_id in ((np.float16, "kv-f16"), (np.float32, "kv-f32")):
+        for kv in ("f16", "q8_0", "f32", "bf16"):
             for threads in (1, 2, 3):
-                slow = kv_dtype is np.float32 or (name == "smollm2" and threads != 2)
-                cases.append(pytest.param(name, kv_dtype, threads, marks=pytest.mark.slow if slow else (),
-                                          id=f"{name}-{kv_id}-{threads}-threads"))
+                slow = kv in ("f32", "bf16") or (name == "smollm2" and threads != 2)
+                cases.append(pytest.param(name, kv, threads, marks=pytest.mark.slow if slow else (),
+                                          id=f"{name}-kv-{kv}-{threads}-threads"))
     return cases
 
 
-@pytest.mark.parametrize(("name", "kv_dtype", "threads"), graph_cases())
-def test_graph_steps_equal_the_per_kernel_path(name: str, kv_dtype: type, threads: int, smollm2_base: Path,
+@pytest.mark.parametrize(("name", "kv", "threads"), graph_cases())
+def test_graph_steps_equal_the_per_kernel_path(name: str, kv: str, threads: int, smollm2_base: Path,
                                                tiny_f32_bases: dict[str, Path], per_kernel_logits: dict):
     path = smollm2_base if name == "smollm2" else tiny_f32_bases[name]
-    key = (name, np.dtype(kv_dtype).name)
+    key = (name, kv)
     if key not in per_kernel_logits:
-        reference_runner = open_runner(path, kv_dtype, threads=2, graph=False)
+        reference_runner = open_runner(path, kv, threads=2, graph=False)
         per_kernel_logits[key] = script(reference_runner)
         reference_runner.close()
-    runner = open_runner(path, kv_dtype, threads=threads, graph=True)
+    runner = open_runner(path, kv, threads=threads, graph=True)
     assert runner.model.graph is not None
     got = script(runner)
     runner.close()
@@ -88,11 +89,11 @@ def test_gemma3_graph_steps_beyond_the_sliding_window_equal_the_per_kernel_path(
     """Gemma 3 in the graph: block outputs normed before the residual add, GeGLU, per-layer RoPE bases, and
     sliding-window layers at 770+ positions, where the window (512) no longer reaches the first segment."""
     lengths = (40, 3, 770)
-    reference_runner = open_runner(gemma3_base, np.float16, threads=2, graph=False, max_context=832)
+    reference_runner = open_runner(gemma3_base, "f16", threads=2, graph=False, max_context=832)
     reference = script(reference_runner, lengths)
     reference_runner.close()
     for threads in (1, 2):
-        runner = open_runner(gemma3_base, np.float16, threads=threads, graph=True, max_context=832)
+        runner = open_runner(gemma3_base, "f16", threads=threads, graph=True, max_context=832)
         assert runner.model.graph is not None
         got = script(runner, lengths)
         runner.close()
@@ -105,7 +106,7 @@ def test_one_graph_follows_thread_count_changes(smollm2_base: Path):
     # Prompts of at most MAX_GRAPH_TOKENS: every step runs in the graph, prefills included, at each thread count
     # (the bits across an attention segment boundary are the test above's).
     lengths = (12, 3, MAX_GRAPH_TOKENS)
-    runner = open_runner(smollm2_base, np.float16, threads=1, graph=True)
+    runner = open_runner(smollm2_base, "f16", threads=1, graph=True)
     first = script(runner, lengths)
     for threads in (3, 2, 1):
         runner.threads = threads

@@ -1,4 +1,5 @@
-"""Batch invariance of the whole forward pass: a sequence's logits are bit-identical alone, batched, or split."""
+"""Batch invariance of the whole forward pass: a sequence's logits are bit-identical alone, batched, or split, in
+every KV type."""
 
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ def run_alone(runner: ModelRunner, prompt: list[int], decode: list[int]) -> list
     return out
 
 
-@pytest.fixture(params=["smollm2", "gemma3", "qwen3_5-tiny", "qwen3_5_moe-tiny"])
+@pytest.fixture(params=[(model, kv) for model in ("smollm2", "gemma3", "qwen3_5-tiny", "qwen3_5_moe-tiny")
+                         for kv in ("f16", "q8_0", "bf16")], ids=lambda param: "-".join(param))
 def runner(request, smollm2_base: Path, tiny_f32_bases: dict[str, Path]):
-    if request.param == "gemma3":
+    """Every family, over each KV type the server offers (f32 is the Python API's default, tested everywhere else)."""
+    model, kv = request.param
+    if model == "gemma3":
         path = request.getfixturevalue("gemma3_base")
     else:
-        path = smollm2_base if request.param == "smollm2" else tiny_f32_bases[request.param]
-    runner = ModelRunner(path, max_context=256, max_sequences=3, kv_dtype=np.float16)
+        path = smollm2_base if model == "smollm2" else tiny_f32_bases[model]
+    runner = ModelRunner(path, max_context=256, max_sequences=3, cache_type_k=kv, cache_type_v=kv)
     yield runner
     runner.close()
 

@@ -90,7 +90,7 @@ def _prefix_layout_v1(runner: ModelRunner, recurrent: RecurrentState | None) -> 
     return {
         "block_size": BLOCK_SIZE,
         "fingerprint": runner.fingerprint,
-        "kv_dtype": str(runner.kv.dtype),
+        "kv_dtype": {"f16": "float16", "f32": "float32"}[runner.kv.k_type.name],
         "n_attention_layers": runner.n_attention_layers,
         "n_kv_heads": runner.config.num_key_value_heads,
         "head_dim": runner.config.head_dim,
@@ -165,6 +165,15 @@ def split(data: bytes) -> tuple[dict, bytes]:
     return json.loads(data[FRAME.size: FRAME.size + header_len]), data[FRAME.size + header_len:]
 
 
+def same_layout_headers(old: dict, new: dict, runner: ModelRunner) -> bool:
+    """Whether a header of the earlier version (one `kv_dtype`) and one of this version (`k_type`, `v_type`) say the
+    same: the earlier writer named float32 for a model without attention layers whatever the KV type."""
+    old, new = dict(old), dict(new)
+    old_type = {"float16": "f16", "float32": "f32"}[old.pop("kv_dtype")]
+    new_types = (new.pop("k_type"), new.pop("v_type"))
+    return old == new and (not runner.n_attention_layers or new_types == (old_type, old_type))
+
+
 # --- tests ----------------------------------------------------------------------------------------------
 
 def test_runner_reports_the_recurrent_shapes_and_kv_type(tiny_f32_bases: dict[str, Path], linear_only_base: Path):
@@ -174,9 +183,10 @@ def test_runner_reports_the_recurrent_shapes_and_kv_type(tiny_f32_bases: dict[st
                 "linear-only": (((3, 160, 3), (3, 4, 16, 24)), 4 * (3 * 160 * 3 + 3 * 4 * 16 * 24))}
     for name, (shapes, nbytes) in expected.items():
         path = linear_only_base if name == "linear-only" else tiny_f32_bases[name]
-        runner = ModelRunner(path, max_context=64, kv_dtype=np.float16)
-        assert (runner.recurrent_shapes, runner.recurrent_state_nbytes, runner.kv_dtype) == \
-            (shapes, nbytes, np.dtype(np.float16)), name
+        runner = ModelRunner(path, max_context=64, cache_type_k="f16", cache_type_v="q8_0")
+        kv_types = (runner.kv.k_type.name, runner.kv.v_type.name)
+        assert (runner.recurrent_shapes, runner.recurrent_state_nbytes, kv_types) == \
+            (shapes, nbytes, ("f16", "q8_0")), name
         recurrent = runner.new_sequence().recurrent
         if shapes is None:
             assert recurrent is None
@@ -202,10 +212,7 @@ def test_a_v2_slot_snapshot_restores_exactly(model: Path, tmp_path: Path):
     old_header, old_payload = split(old_file.read_bytes())
     new_header, new_payload = split(new_file.read_bytes())
     assert new_payload == old_payload
-    if not engine.runner.n_attention_layers:
-        # No KV values: the previous writer named float32 whatever the KV type, the reader ignores it.
-        assert (old_header.pop("kv_dtype"), new_header.pop("kv_dtype")) == ("float32", "float16")
-    assert new_header == old_header
+    assert same_layout_headers(old_header, new_header, engine.runner)
 
     # The next turn continues from the restored history exactly as a fresh engine computes it.
     follow_up = slot.sequence.tokens + prompt[:7]
@@ -219,7 +226,8 @@ def test_a_v1_prefix_cache_file_loads_exactly(model: Path, tmp_path: Path):
     old_file, new_file = tmp_path / "old.pc", tmp_path / "new.pc"
     saved = save_prefix_cache_v1(engine.runner, engine.prefix_cache, old_file)
     assert save_prefix_cache(engine.runner, engine.prefix_cache, new_file) == saved > 0
-    assert new_file.read_bytes() == old_file.read_bytes()
+    (old_header, old_payload), (new_header, new_payload) = split(old_file.read_bytes()), split(new_file.read_bytes())
+    assert new_payload == old_payload and same_layout_headers(old_header, new_header, engine.runner)
 
     runner, cache = empty_cache(model)
     assert load_prefix_cache(runner, cache, old_file) == saved
@@ -242,7 +250,8 @@ def test_a_snapshot_of_another_layout_is_refused_and_changes_nothing(tiny_f32_ba
     path = tmp_path / "slot.bin"
     engine, _ = filled_engine(tiny_f32_bases["qwen3_5-tiny"])
     save_slot(engine.runner, engine.slots[0], path)
-    cases = {"kv_dtype": build_engine(tiny_f32_bases["qwen3_5-tiny"], EngineOptions(max_context=512, kv_bits=32)),
+    wider = EngineOptions(max_context=512, cache_type_k="f32", cache_type_v="f32")
+    cases = {"k_type": build_engine(tiny_f32_bases["qwen3_5-tiny"], wider),
              "different model": make_engine(tiny_f32_bases["qwen3-tiny"])}
     for message, target in cases.items():
         pool = target.runner.pool
@@ -257,5 +266,5 @@ def test_a_snapshot_of_another_layout_is_refused_and_changes_nothing(tiny_f32_ba
     # Without attention layers there are no KV values: a snapshot reads the same whatever the KV type.
     engine, _ = filled_engine(linear_only_base)
     save_slot(engine.runner, engine.slots[0], path)
-    wide = build_engine(linear_only_base, EngineOptions(max_context=512, kv_bits=32))
+    wide = build_engine(linear_only_base, wider)
     assert wide.restore_slot(0, path).n_tokens == engine.slots[0].sequence.n_past

@@ -37,7 +37,7 @@ def main() -> int:
                         help="engine threads (default: one per physical core)")
     parser.add_argument("--repetitions", "-r", type=int, default=3)
     parser.add_argument("--warmup", "-w", type=int, default=1)
-    parser.add_argument("--kv-bits", type=int, choices=(16, 32), default=16)
+    parser.add_argument("--cache-type", "-ct", default="f16", help="KV type of K and V (default f16)")
     parser.add_argument("--json", type=Path, default=Path("bench_engine.json"), help="where to write the JSON")
     parser.add_argument("--with-load", action="store_true",
                         help="tg128 alone and beside one busy process, alternately; print both and the ratio")
@@ -49,7 +49,7 @@ def main() -> int:
         return bench_with_load(path, args)
     before_mib = current_rss_mib()
     kv: dict[str, int] = {}
-    results = run_bench(path, [128, 512], [128], args.repetitions, args.warmup, args.threads, args.kv_bits,
+    results = run_bench(path, [128, 512], [128], args.repetitions, args.warmup, args.threads, (args.cache_type,) * 2,
                         on_engine=lambda engine: kv.update(bytes=engine.runner.kv.nbytes))
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     added_mib, weights_mib, kv_mib = peak_rss_mib - before_mib, path.stat().st_size / 2**20, kv["bytes"] / 2**20
@@ -62,7 +62,7 @@ def main() -> int:
         "model": str(path),
         "model_bytes": path.stat().st_size,
         "threads": args.threads,
-        "kv_bits": args.kv_bits,
+        "cache_type": args.cache_type,
         "machine": platform.machine(),
         "python": platform.python_version(),
         "results": [{"test": r.test, "tokens_per_second_mean": r.mean, "tokens_per_second_stdev": r.stdev,
@@ -92,11 +92,11 @@ def bench_with_load(path: Path, args: argparse.Namespace) -> int:
     idle: list[float] = []
     loaded: list[float] = []
     for round_number in range(1, args.rounds + 1):
-        [alone] = run_bench(path, [], [128], args.repetitions, args.warmup, args.threads, args.kv_bits)
+        [alone] = run_bench(path, [], [128], args.repetitions, args.warmup, args.threads, (args.cache_type,) * 2)
         idle += alone.rates
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
-            [shared] = run_bench(path, [], [128], args.repetitions, args.warmup, args.threads, args.kv_bits)
+            [shared] = run_bench(path, [], [128], args.repetitions, args.warmup, args.threads, (args.cache_type,) * 2)
         finally:
             busy.kill()
             busy.wait()

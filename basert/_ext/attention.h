@@ -1,5 +1,5 @@
-/* Causal attention of query rows over a paged KV cache (blocks of 16 positions), with float32 or
- * float16 cache entries.
+/* Causal attention of query rows over a paged KV cache (blocks of 16 positions), its K and V rows each
+ * stored as one of the KV types below (float32, float16, bfloat16, or 8-bit codes with a scale per 32).
  *
  * Fixed arithmetic. A query row that sees positions 0 .. n-1 is computed as ceil(n / S) segments
  * [jS, min((j+1)S, n)), S = BASERT_ATTN_SEGMENT. Segment j yields a partial: top_j = the max of its
@@ -18,22 +18,22 @@
  * boundaries, whatever the window). The segments before it are never read.
  *
  * Building blocks (static, for any module that includes this header; no allocation, no threads):
- *   basert_attend_segment(n_rows, q, n_pos, window, p0, p1, k, v, kv_f16, block_table, block_stride, d, scale,
+ *   basert_attend_segment(n_rows, q, n_pos, window, p0, p1, k, v, k_type, v_type, block_table, block_rows, d, scale,
  *                         scores, top, sum, acc)
  *       the partials of segment [p0, p1) (p0 = jS, p1 = min(p0 + S, max n_pos)) for n_rows query rows
  *       of one kv head: q[r] the row's d floats, n_pos[r] the positions it sees (rows with
  *       n_pos[r] <= p0 or whose window starts at or after p1 are skipped and their outputs untouched;
  *       rows with n_pos[r] < p1 stop there).
- *       k, v point at that kv head's rows in cache block 0 (float, or uint16_t halves when kv_f16);
- *       block_table[i] is the cache block of positions 16i .. 16i+15, block_stride the elements per
- *       cache block. Writes top[r], sum[r] and acc[r][0..d); scores is scratch of
+ *       k, v point at that kv head's rows in cache block 0, rows of basert_kv_row_bytes(k_type / v_type, d)
+ *       bytes; block_table[i] is the cache block of positions 16i .. 16i+15, block_rows the rows per cache
+ *       block (all kv heads'). Writes top[r], sum[r] and acc[r][0..d); scores is scratch of
  *       n_rows * BASERT_ATTN_SEGMENT floats. Any n_rows; rows of different kv heads need separate calls.
  *   basert_attend_merge(n_segments, top, sum, acc, acc_stride, d, out)
  *       one row's output from the partials of its n_segments = ceil(n / S) - first / S segments: top[j],
  *       sum[j], acc[j * acc_stride .. + d), j counted from the row's first segment.
  *   basert_attend_fold(&top, &sum, acc, top_j, sum_j, acc_j, d)
  *       one step of that merge, for callers that fold as segments complete.
- *   basert_attend_rows(n_rows, q, n_pos, window, k, v, kv_f16, block_table, block_stride, d, scale, scratch, out)
+ *   basert_attend_rows(n_rows, q, n_pos, window, k, v, k_type, v_type, block_table, block_rows, d, scale, scratch, out)
  *       whole rows on the calling thread (prefill), same bits as segments + merge; n_rows <=
  *       BASERT_ATTN_MAX_ROWS, scratch of BASERT_ATTN_ROWS_SCRATCH(n_rows, d) floats.
  * Rows of one kv head attended together share every K and V row they both see, read once. */
@@ -104,35 +104,152 @@ static inline void basert_store_f16(const float *x, uint16_t *dst, ptrdiff_t n) 
     for (; i < n; i++) dst[i] = basert_f32_to_f16(x[i]);
 }
 
-/* Dot product of q with a half row, in the order of basert_dot. */
-static inline float basert_dot_f16(const float *q, const uint16_t *k, ptrdiff_t n) {
-    ptrdiff_t i = 0;
-    float total;
-#if defined(BASERT_SIMD)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i))), acc);
-    total = basert_hsum8(acc);
-#else
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] = fmaf(q[i + j], basert_f16_to_f32(k[i + j]), acc[j]);
-    total = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-#endif
-    for (; i < n; i++) total = fmaf(q[i], basert_f16_to_f32(k[i]), total);
-    return total;
+/* ---- KV types: how one kv head's row of d values is stored in the cache ----
+ *
+ * BASERT_KV_F32: d floats. BASERT_KV_F16: d IEEE halves (round to nearest even). BASERT_KV_BF16: d bfloat16, the
+ * high half of the float rounded to nearest even. BASERT_KV_Q8_0: per block of 32 values (d a multiple of 32), a
+ * half scale s = half(amax / 127) and 32 signed codes c = rint(x * (1 / s)) within +-127 (0 where s is 0),
+ * llama.cpp's q8_0 layout (2 + 32 bytes per block), read back as s * c. Reading is exact in every type (a half or
+ * bfloat16 widens exactly; s * c has at most 18 significant bits), so attention over a row reads the same floats
+ * whoever stores or reads it, and a row's stored bytes depend on that row alone: quantization never reaches across
+ * positions, so the same bits come out whatever the batch, split, thread count or CPU variant.
+ *
+ * BASERT_KV_Q8_0_H, how q8_0 rows are kept (BASERT_KV_Q8_0 reads such rows as stored, turning nothing back): each
+ * block of 32 is turned by the Walsh-Hadamard transform H (entries +-1, basert_hadamard32) before it is quantized,
+ * which spreads a few large values over the block and so shrinks the rounding of the others (llama.cpp rotates its
+ * quantized KV alike). A query meets turned K rows as H q / 32 (exact
+ * scaling): (H q / 32) . (H k) = q . k, as H H = 32 I; a segment's weighted sum of turned V rows is turned back,
+ * H acc / 32, before it is folded with the others. */
+enum { BASERT_KV_F32 = 0, BASERT_KV_F16 = 1, BASERT_KV_BF16 = 2, BASERT_KV_Q8_0 = 3, BASERT_KV_Q8_0_H = 4 };
+#define BASERT_KV_Q8_VALUES 32
+#define BASERT_KV_Q8_BYTES 34
+
+/* Head dims the attention reads through a row buffer on the stack at most (every model's head dim is below). */
+#define BASERT_KV_MAX_DIM 512
+
+static inline ptrdiff_t basert_kv_row_bytes(int type, ptrdiff_t d) {
+    switch (type) {
+    case BASERT_KV_F32: return 4 * d;
+    case BASERT_KV_Q8_0:
+    case BASERT_KV_Q8_0_H: return d / BASERT_KV_Q8_VALUES * BASERT_KV_Q8_BYTES;
+    default: return 2 * d;
+    }
 }
 
-/* y[i] = fmaf(a, float(x[i]), y[i]) for a half row x. */
-static inline void basert_axpy_f16(float a, const uint16_t *x, float *y, ptrdiff_t n) {
+/* float -> bfloat16, round to nearest even (a NaN stays a quiet NaN). */
+static inline uint16_t basert_f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float basert_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+/* One block of 32 values as q8_0: 2 bytes of half scale, then 32 codes. */
+static inline void basert_store_q8_block(const float *x, uint8_t *dst) {
+    float amax = 0.0f;
+    for (int j = 0; j < BASERT_KV_Q8_VALUES; j++) {
+        const float a = fabsf(x[j]);
+        if (a > amax) amax = a;
+    }
+    const uint16_t h = basert_f32_to_f16(amax / 127.0f);
+    const float scale = basert_f16_to_f32(h), inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    memcpy(dst, &h, sizeof h);
+    for (int j = 0; j < BASERT_KV_Q8_VALUES; j++) {
+        float c = rintf(x[j] * inv);
+        c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+        dst[2 + j] = (uint8_t)(int8_t)c;
+    }
+}
+
+/* x[0..32) = H x, the Walsh-Hadamard transform of a block (unnormalized: entries +-1), in a fixed order of float
+ * additions. */
+static inline void basert_hadamard32(float *x) {
+    for (int h = 1; h < 32; h *= 2)
+        for (int i = 0; i < 32; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+}
+
+/* dst = each block of 32 of x turned by H and scaled by `scale` (a power of two: exact). */
+static inline void basert_hadamard_row(const float *x, float *dst, ptrdiff_t d, float scale) {
+    for (ptrdiff_t b = 0; b < d; b += 32) {
+        memcpy(dst + b, x + b, 32 * sizeof(float));
+        basert_hadamard32(dst + b);
+        for (int j = 0; j < 32; j++) dst[b + j] *= scale;
+    }
+}
+
+/* The row x[0..d) stored as `type` at dst. */
+static inline void basert_kv_store(int type, const float *x, void *dst, ptrdiff_t d) {
+    switch (type) {
+    case BASERT_KV_F32: memcpy(dst, x, (size_t)d * sizeof(float)); return;
+    case BASERT_KV_F16: basert_store_f16(x, (uint16_t *)dst, d); return;
+    case BASERT_KV_BF16:
+        for (ptrdiff_t i = 0; i < d; i++) ((uint16_t *)dst)[i] = basert_f32_to_bf16(x[i]);
+        return;
+    default:
+        for (ptrdiff_t b = 0; b < d / BASERT_KV_Q8_VALUES; b++) {
+            float turned[BASERT_KV_Q8_VALUES];
+            const float *block = x + b * BASERT_KV_Q8_VALUES;
+            if (type == BASERT_KV_Q8_0_H) {
+                basert_hadamard_row(block, turned, BASERT_KV_Q8_VALUES, 1.0f);
+                block = turned;
+            }
+            basert_store_q8_block(block, (uint8_t *)dst + b * BASERT_KV_Q8_BYTES);
+        }
+    }
+}
+
+/* Value i of a row stored as `type`, exactly. */
+static inline float basert_kv_value(int type, const void *src, ptrdiff_t i) {
+    switch (type) {
+    case BASERT_KV_F32: return ((const float *)src)[i];
+    case BASERT_KV_F16: return basert_f16_to_f32(((const uint16_t *)src)[i]);
+    case BASERT_KV_BF16: return basert_bf16_to_f32(((const uint16_t *)src)[i]);
+    default: {
+        const uint8_t *blk = (const uint8_t *)src + i / BASERT_KV_Q8_VALUES * BASERT_KV_Q8_BYTES;
+        uint16_t h;
+        memcpy(&h, blk, sizeof h);
+        return basert_f16_to_f32(h) * (float)(int8_t)blk[2 + i % BASERT_KV_Q8_VALUES];
+    }
+    }
+}
+
+#if defined(BASERT_SIMD)
+/* Values e .. e + 7 of a row stored as `type` (e a multiple of 8), exactly. */
+BASERT_ALWAYS_INLINE __m256 basert_kv_load8(int type, const void *src, ptrdiff_t e) {
+    switch (type) {
+    case BASERT_KV_F32: return _mm256_loadu_ps((const float *)src + e);
+    case BASERT_KV_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + e)));
+    case BASERT_KV_BF16:
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + e))), 16));
+    default: {
+        const uint8_t *blk = (const uint8_t *)src + e / BASERT_KV_Q8_VALUES * BASERT_KV_Q8_BYTES;
+        uint16_t h;
+        memcpy(&h, blk, sizeof h);
+        const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)(const void *)(blk + 2 + e % BASERT_KV_Q8_VALUES))));
+        return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(h)), codes);
+    }
+    }
+}
+#endif
+
+/* dst[0..d) = the row stored as `type` at src, exactly. */
+static inline void basert_kv_load(int type, const void *src, float *dst, ptrdiff_t d) {
     ptrdiff_t i = 0;
 #if defined(BASERT_SIMD)
-    __m256 va = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))),
-                                                _mm256_loadu_ps(y + i)));
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(dst + i, basert_kv_load8(type, src, i));
 #endif
-    for (; i < n; i++) y[i] = fmaf(a, basert_f16_to_f32(x[i]), y[i]);
+    for (; i < d; i++) dst[i] = basert_kv_value(type, src, i);
 }
 
 /* scores[i] = exp(scores[i] - shift); returns their sum (8 partial sums, fixed order). */
@@ -163,9 +280,15 @@ static inline float basert_exp_shifted_sum(float *scores, float shift, ptrdiff_t
     return total;
 }
 
-/* Offset in elements of position p's row for one kv head, whose rows in block 0 start at offset 0. */
-static inline ptrdiff_t basert_kv_row(const int32_t *block_table, ptrdiff_t block_stride, ptrdiff_t p, ptrdiff_t d) {
-    return (ptrdiff_t)block_table[p / BASERT_KV_BLOCK] * block_stride + (p % BASERT_KV_BLOCK) * d;
+/* Row index of position p for one kv head, whose rows in block 0 start at row 0 (block_rows rows per cache block). */
+static inline ptrdiff_t basert_kv_row(const int32_t *block_table, ptrdiff_t block_rows, ptrdiff_t p) {
+    return (ptrdiff_t)block_table[p / BASERT_KV_BLOCK] * block_rows + p % BASERT_KV_BLOCK;
+}
+
+/* Position p's row for one kv head whose rows of type `type` start at `base`. */
+static inline const void *basert_kv_at(const void *base, int type, const int32_t *block_table, ptrdiff_t block_rows,
+                                       ptrdiff_t p, ptrdiff_t d) {
+    return (const char *)base + basert_kv_row(block_table, block_rows, p) * basert_kv_row_bytes(type, d);
 }
 
 /* Up to this many query rows that share a kv head are attended together, so each K and V row is
@@ -191,7 +314,7 @@ BASERT_ALWAYS_INLINE __m256 basert_hsum8x8(const __m256 *v) {
 }
 
 /* Scores of one query row against the 8 float rows of k, interleaved as basert_gather8 writes them (d a multiple of
- * 8): each is basert_dot of q and that row (= basert_dot_f16 of the half row it was converted from), times scale. */
+ * 8): each is basert_dot of q and that row (the exact floats its cache row reads as), times scale. */
 BASERT_ALWAYS_INLINE __m256 basert_scores8(const float *q, const float *k, ptrdiff_t d, float scale) {
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
@@ -206,51 +329,57 @@ BASERT_ALWAYS_INLINE __m256 basert_scores8(const float *q, const float *k, ptrdi
  * only within a cache block, so the hardware prefetcher loses the stream at every block boundary. */
 #define BASERT_ATTN_PREFETCH 16
 
-/* Float copies of the cache rows of positions p0 .. p1 (exact: half to float is exact), d apart; rows up to
- * BASERT_ATTN_PREFETCH positions further, before `limit`, are prefetched. */
-static inline void basert_gather_rows(const void *src, int kv_f16, const int32_t *block_table, ptrdiff_t block_stride,
+/* Prefetches position p's row (all its cache lines) when p is before `limit`. */
+BASERT_ALWAYS_INLINE void basert_kv_prefetch(const void *src, int type, const int32_t *block_table, ptrdiff_t block_rows,
+                                             ptrdiff_t d, ptrdiff_t p, ptrdiff_t limit) {
+    if (p >= limit) return;
+    const char *ahead = (const char *)basert_kv_at(src, type, block_table, block_rows, p, d);
+    const ptrdiff_t row_bytes = basert_kv_row_bytes(type, d);
+    for (ptrdiff_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+    __builtin_prefetch(ahead + row_bytes - 1);
+}
+
+/* A row stored as `type` (d a multiple of 8) as floats, exactly, 8 at a time: values 8g .. 8g + 7 at out + g * stride.
+ * q8_0 a block at a time: its scale converted once for its 32 codes. */
+BASERT_ALWAYS_INLINE void basert_kv_load_groups(int type, const void *row, ptrdiff_t d, float *out, ptrdiff_t stride) {
+    if (type == BASERT_KV_Q8_0 || type == BASERT_KV_Q8_0_H) {
+        const uint8_t *blk = (const uint8_t *)row;
+        for (ptrdiff_t e = 0; e < d; e += BASERT_KV_Q8_VALUES, blk += BASERT_KV_Q8_BYTES, out += 4 * stride) {
+            uint16_t h;
+            memcpy(&h, blk, sizeof h);
+            const __m256 scale = _mm256_set1_ps(_cvtsh_ss(h));
+            const __m256i codes = _mm256_loadu_si256((const __m256i *)(const void *)(blk + 2));
+            const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
+            for (int g = 0; g < 4; g++) {
+                const __m128i eight = (g & 1) ? _mm_srli_si128(halves[g >> 1], 8) : halves[g >> 1];
+                _mm256_storeu_ps(out + g * stride, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight))));
+            }
+        }
+        return;
+    }
+    for (ptrdiff_t e = 0; e < d; e += 8, out += stride) _mm256_storeu_ps(out, basert_kv_load8(type, row, e));
+}
+
+/* Float copies of the cache rows of positions p0 .. p1 (exact), d apart; rows up to BASERT_ATTN_PREFETCH positions
+ * further, before `limit`, are prefetched. */
+static inline void basert_gather_rows(const void *src, int type, const int32_t *block_table, ptrdiff_t block_rows,
                                       ptrdiff_t d, ptrdiff_t p0, ptrdiff_t p1, ptrdiff_t limit, float *dst) {
-    const ptrdiff_t row_bytes = d * (kv_f16 ? 2 : 4);
     for (ptrdiff_t p = p0; p < p1; p++, dst += d) {
-        const ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
-        if (p + BASERT_ATTN_PREFETCH < limit) {
-            const char *ahead = (const char *)src +
-                                basert_kv_row(block_table, block_stride, p + BASERT_ATTN_PREFETCH, d) * (kv_f16 ? 2 : 4);
-            for (ptrdiff_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
-        }
-        if (!kv_f16) {
-            memcpy(dst, (const float *)src + row, (size_t)d * sizeof(float));
-            continue;
-        }
-        const uint16_t *h = (const uint16_t *)src + row;
-        ptrdiff_t e = 0;
-        for (; e + 8 <= d; e += 8) _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + e))));
-        for (; e < d; e++) dst[e] = basert_f16_to_f32(h[e]);
+        basert_kv_prefetch(src, type, block_table, block_rows, d, p + BASERT_ATTN_PREFETCH, limit);
+        const void *row = basert_kv_at(src, type, block_table, block_rows, p, d);
+        if (d & 7) basert_kv_load(type, row, dst, d);
+        else basert_kv_load_groups(type, row, d, dst, 8);
     }
 }
 
 /* Float copies of the cache rows of positions p .. p + 8 (in one block), interleaved by groups of 8 columns: columns
  * 8g .. 8g + 7 of row j at dst[64g + 8j], so that basert_scores8 reads the eight rows' groups from one pointer. Rows
  * BASERT_ATTN_PREFETCH positions on, before `limit`, are prefetched. */
-static inline void basert_gather8(const void *src, int kv_f16, const int32_t *block_table, ptrdiff_t block_stride,
+static inline void basert_gather8(const void *src, int type, const int32_t *block_table, ptrdiff_t block_rows,
                                   ptrdiff_t d, ptrdiff_t p, ptrdiff_t limit, float *dst) {
-    const ptrdiff_t row_bytes = d * (kv_f16 ? 2 : 4);
     for (int j = 0; j < 8; j++) {
-        const ptrdiff_t row = basert_kv_row(block_table, block_stride, p + j, d);
-        if (p + j + BASERT_ATTN_PREFETCH < limit) {
-            const char *ahead = (const char *)src +
-                                basert_kv_row(block_table, block_stride, p + j + BASERT_ATTN_PREFETCH, d) * (kv_f16 ? 2 : 4);
-            for (ptrdiff_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
-        }
-        float *out = dst + 8 * j;
-        if (kv_f16) {
-            const uint16_t *h = (const uint16_t *)src + row;
-            for (ptrdiff_t e = 0; e < d; e += 8, out += 64)
-                _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + e))));
-        } else {
-            const float *f = (const float *)src + row;
-            for (ptrdiff_t e = 0; e < d; e += 8, out += 64) _mm256_storeu_ps(out, _mm256_loadu_ps(f + e));
-        }
+        basert_kv_prefetch(src, type, block_table, block_rows, d, p + j + BASERT_ATTN_PREFETCH, limit);
+        basert_kv_load_groups(type, basert_kv_at(src, type, block_table, block_rows, p + j, d), d, dst + 8 * j, 64);
     }
 }
 
@@ -293,9 +422,25 @@ static void basert_weighted_rows_all(const float *weights, ptrdiff_t n, const fl
  * a multiple of BASERT_ATTN_SEGMENT; scores holds n_rows * BASERT_ATTN_SEGMENT floats; p1 - p0 <=
  * BASERT_ATTN_SEGMENT. */
 static void basert_attend_segment(int n_rows, const float *const *q, const ptrdiff_t *n_pos, ptrdiff_t window,
-                                  ptrdiff_t p0, ptrdiff_t p1, const void *k, const void *v, int kv_f16,
-                                  const int32_t *block_table, ptrdiff_t block_stride, ptrdiff_t d, float scale,
+                                  ptrdiff_t p0, ptrdiff_t p1, const void *k, const void *v, int k_type, int v_type,
+                                  const int32_t *block_table, ptrdiff_t block_rows, ptrdiff_t d, float scale,
                                   float *scores, float *top, float *sum, float *const *acc) {
+    if (k_type == BASERT_KV_Q8_0_H) {
+        /* Turned K rows: the queries meet them turned too (H q / 32), up to BASERT_ATTN_MAX_ROWS rows at a time (a
+         * row's result never depends on the rows beside it). */
+        float turned[BASERT_ATTN_MAX_ROWS * BASERT_KV_MAX_DIM];
+        const float *rows[BASERT_ATTN_MAX_ROWS];
+        for (int r0 = 0; r0 < n_rows; r0 += BASERT_ATTN_MAX_ROWS) {
+            const int n = n_rows - r0 < BASERT_ATTN_MAX_ROWS ? n_rows - r0 : BASERT_ATTN_MAX_ROWS;
+            for (int r = 0; r < n; r++) {
+                basert_hadamard_row(q[r0 + r], turned + r * d, d, 1.0f / 32.0f);
+                rows[r] = turned + r * d;
+            }
+            basert_attend_segment(n, rows, n_pos + r0, window, p0, p1, k, v, BASERT_KV_Q8_0, v_type, block_table,
+                                  block_rows, d, scale, scores, top + r0, sum + r0, acc + r0);
+        }
+        return;
+    }
     const ptrdiff_t S = BASERT_ATTN_SEGMENT;
     ptrdiff_t end = p0; /* the furthest position any row needs in this segment */
     ptrdiff_t start = p1; /* the first position any row attends to in this segment */
@@ -318,12 +463,12 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
     float buf[BASERT_ATTN_BUF_FLOATS];
     const int fast = (d & 7) == 0 && 8 * d <= BASERT_ATTN_BUF_FLOATS;
 #endif
+    float row[BASERT_KV_MAX_DIM]; /* one position's K or V row, off the fast paths */
     while (p < end) {
-        const ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
 #if defined(BASERT_SIMD)
         /* Positions p .. p + 7 lie in one block (8 divides the block size and p is a multiple of 8). */
         if (fast && (p & 7) == 0 && p + 8 <= end) {
-            basert_gather8(k, kv_f16, block_table, block_stride, d, p, end, buf);
+            basert_gather8(k, k_type, block_table, block_rows, d, p, end, buf);
             for (int r = 0; r < n_rows; r++) {
                 if (p >= n_pos[r] || !basert_attn_takes_part(n_pos[r], window, p0)) continue;
                 const ptrdiff_t f = basert_attn_first(n_pos[r], window);
@@ -355,11 +500,11 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
             continue;
         }
 #endif
+        basert_kv_load(k_type, basert_kv_at(k, k_type, block_table, block_rows, p, d), row, d);
         for (int r = 0; r < n_rows; r++) {
             if (p >= n_pos[r] || !basert_attn_takes_part(n_pos[r], window, p0) || p < basert_attn_first(n_pos[r], window))
                 continue;
-            float s = kv_f16 ? basert_dot_f16(q[r], (const uint16_t *)k + row, d) : basert_dot(q[r], (const float *)k + row, d);
-            s *= scale;
+            const float s = basert_dot(q[r], row, d) * scale;
             scores[r * S + (p - p0)] = s;
             if (s > top[r]) top[r] = s;
         }
@@ -375,25 +520,29 @@ static void basert_attend_segment(int n_rows, const float *const *q, const ptrdi
         const ptrdiff_t chunk = BASERT_ATTN_BUF_FLOATS / d;
         for (ptrdiff_t c0 = read_from; c0 < end; c0 += chunk) {
             const ptrdiff_t c1 = c0 + chunk < end ? c0 + chunk : end;
-            basert_gather_rows(v, kv_f16, block_table, block_stride, d, c0, c1, end, buf);
+            basert_gather_rows(v, v_type, block_table, block_rows, d, c0, c1, end, buf);
             for (int r = 0; r < n_rows; r++)
                 if (c0 < n_pos[r] && basert_attn_takes_part(n_pos[r], window, p0))
                     basert_weighted_rows_all(scores + r * S + (c0 - p0), (c1 < n_pos[r] ? c1 : n_pos[r]) - c0, buf, d,
                                              acc[r]);
         }
-        return;
-    }
+    } else
 #endif
-    for (ptrdiff_t p = read_from; p < end; p++) {
-        const ptrdiff_t row = basert_kv_row(block_table, block_stride, p, d);
-        for (int r = 0; r < n_rows; r++) {
-            if (p >= n_pos[r] || !basert_attn_takes_part(n_pos[r], window, p0)) continue;
-            if (kv_f16)
-                basert_axpy_f16(scores[r * S + (p - p0)], (const uint16_t *)v + row, acc[r], d);
-            else
-                basert_axpy(scores[r * S + (p - p0)], (const float *)v + row, acc[r], d);
+    {
+        for (ptrdiff_t p = read_from; p < end; p++) {
+            basert_kv_load(v_type, basert_kv_at(v, v_type, block_table, block_rows, p, d), row, d);
+            for (int r = 0; r < n_rows; r++)
+                if (p < n_pos[r] && basert_attn_takes_part(n_pos[r], window, p0))
+                    basert_axpy(scores[r * S + (p - p0)], row, acc[r], d);
         }
     }
+    /* Turned V rows: the segment's weighted sum turned back (H acc / 32), so that partials fold as plain ones. */
+    if (v_type == BASERT_KV_Q8_0_H)
+        for (int r = 0; r < n_rows; r++)
+            if (basert_attn_takes_part(n_pos[r], window, p0)) {
+                basert_hadamard_row(acc[r], row, d, 1.0f / 32.0f);
+                memcpy(acc[r], row, (size_t)d * sizeof(float));
+            }
 }
 
 /* Folds the partial (top_j, sum_j, acc_j) of the next segment into a row's running state (*top, *sum,
@@ -434,8 +583,8 @@ static inline void basert_attend_merge(int n_segments, const float *top, const f
  * folded into out[r] as it completes (a row's first segment taken as it is), which is basert_attend_merge of
  * the same partials, bit for bit. scratch holds BASERT_ATTN_ROWS_SCRATCH(n_rows, d) floats. */
 static inline void basert_attend_rows(int n_rows, const float *const *q, const ptrdiff_t *n_pos, ptrdiff_t window,
-                                      const void *k, const void *v, int kv_f16, const int32_t *block_table,
-                                      ptrdiff_t block_stride, ptrdiff_t d, float scale, float *scratch, float *const *out) {
+                                      const void *k, const void *v, int k_type, int v_type, const int32_t *block_table,
+                                      ptrdiff_t block_rows, ptrdiff_t d, float scale, float *scratch, float *const *out) {
     float top[BASERT_ATTN_MAX_ROWS], sum[BASERT_ATTN_MAX_ROWS], top_j[BASERT_ATTN_MAX_ROWS], sum_j[BASERT_ATTN_MAX_ROWS];
     float *acc_j[BASERT_ATTN_MAX_ROWS];
     float *scores = scratch, *parts = scratch + (ptrdiff_t)n_rows * BASERT_ATTN_SEGMENT;
@@ -451,7 +600,7 @@ static inline void basert_attend_rows(int n_rows, const float *const *q, const p
     if (n_max == 0) return;
     for (ptrdiff_t p0 = first - first % BASERT_ATTN_SEGMENT; p0 < n_max; p0 += BASERT_ATTN_SEGMENT) {
         const ptrdiff_t p1 = p0 + BASERT_ATTN_SEGMENT < n_max ? p0 + BASERT_ATTN_SEGMENT : n_max;
-        basert_attend_segment(n_rows, q, n_pos, window, p0, p1, k, v, kv_f16, block_table, block_stride, d, scale,
+        basert_attend_segment(n_rows, q, n_pos, window, p0, p1, k, v, k_type, v_type, block_table, block_rows, d, scale,
                               scores, top_j, sum_j, acc_j);
         for (int r = 0; r < n_rows; r++) {
             if (!basert_attn_takes_part(n_pos[r], window, p0)) continue;

@@ -1,6 +1,6 @@
 # cython: language_level=3
-"""Paged KV cache writes and causal GQA attention over it (blocks of 16 positions; float32 or
-float16 cache entries; GIL released). Groups of query rows sharing a kv head run in parallel; when there
+"""Paged KV cache writes and causal GQA attention over it (blocks of 16 positions; rows of one of the KV types of
+basert._ext.kvtypes, K and V each their own; GIL released). Groups of query rows sharing a kv head run in parallel; when there
 are too few groups for the threads (decode), each group's position segments run in parallel and are
 merged after, with the same bits as one thread doing the whole row (see attention.h)."""
 
@@ -10,27 +10,29 @@ from cython.parallel cimport parallel, prange, threadid
 
 cdef extern from "simd.h" nogil:
     int basert_threads_for(Py_ssize_t elements)
-from libc.stdint cimport int32_t, uint16_t
-from libc.string cimport memcpy
+from libc.stdint cimport int32_t
+
+from basert._ext.kvtypes import kv_type_of
 
 cnp.import_array()
 
 cdef extern from "attention.h" nogil:
     const int BASERT_KV_BLOCK
-    void basert_store_f16(const float *x, uint16_t *dst, Py_ssize_t n)
+    Py_ssize_t basert_kv_row_bytes(int type, Py_ssize_t d)
+    void basert_kv_store(int type, const float *x, void *dst, Py_ssize_t d)
     enum: BASERT_ATTN_MAX_ROWS
     enum: BASERT_ATTN_SEGMENT
     Py_ssize_t BASERT_ATTN_ROWS_SCRATCH(Py_ssize_t n_rows, Py_ssize_t d)
     Py_ssize_t basert_attn_first(Py_ssize_t n, Py_ssize_t window)
     void basert_attend_segment(int n_rows, const float *const *q, const Py_ssize_t *n_pos, Py_ssize_t window,
-                               Py_ssize_t p0, Py_ssize_t p1, const void *k, const void *v, int kv_f16, const int32_t *block_table,
-                               Py_ssize_t block_stride, Py_ssize_t d, float scale, float *scores, float *top,
+                               Py_ssize_t p0, Py_ssize_t p1, const void *k, const void *v, int k_type, int v_type,
+                               const int32_t *block_table, Py_ssize_t block_rows, Py_ssize_t d, float scale, float *scores, float *top,
                                float *sum, float *const *acc)
     void basert_attend_merge(int n_segments, const float *top, const float *sum, const float *acc,
                              Py_ssize_t acc_stride, Py_ssize_t d, float *out)
     void basert_attend_rows(int n_rows, const float *const *q, const Py_ssize_t *n_pos, Py_ssize_t window,
                             const void *k, const void *v,
-                            int kv_f16, const int32_t *block_table, Py_ssize_t block_stride, Py_ssize_t d,
+                            int k_type, int v_type, const int32_t *block_table, Py_ssize_t block_rows, Py_ssize_t d,
                             float scale, float *scratch, float *const *out)
 
 cdef extern from *:
@@ -70,20 +72,20 @@ cdef extern from *:
     void basert_attn_scratch_give(float *scratch, int owned) nogil
 
 
-cdef bint _check_cache(k_cache, v_cache, bint writable) except -1:
-    """Validates a (k, v) cache pair [n_blocks, H_kv, 16, d]; returns True for float16 entries."""
+cdef int _check_cache(k_cache, v_cache, Py_ssize_t d, bint writable, int *k_type, int *v_type) except -1:
+    """Validates a (k, v) cache pair [n_blocks, H_kv, 16, row] of rows of d values; sets their KV type codes."""
     if not isinstance(k_cache, np.ndarray) or not isinstance(v_cache, np.ndarray):
         raise ValueError("k_cache and v_cache must be numpy arrays")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (np.float32, np.float16):
-        raise ValueError(f"caches must both be float32 or float16, got {k_cache.dtype} and {v_cache.dtype}")
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2] != BASERT_KV_BLOCK:
-        raise ValueError(f"caches must both have shape [n_blocks, H_kv, {BASERT_KV_BLOCK}, d], "
+    if k_cache.ndim != 4 or v_cache.ndim != 4 or k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[2] != BASERT_KV_BLOCK:
+        raise ValueError(f"caches must both have shape [n_blocks, H_kv, {BASERT_KV_BLOCK}, row], "
                          f"got {k_cache.shape} and {v_cache.shape}")
+    k_type[0] = kv_type_of(k_cache, d).code
+    v_type[0] = kv_type_of(v_cache, d).code
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("caches must be C-contiguous")
     if writable and not (k_cache.flags.writeable and v_cache.flags.writeable):
         raise ValueError("caches must be writable")
-    return k_cache.dtype == np.float16
+    return 0
 
 
 cdef int _check_blocks(const int32_t[::1] block_table, Py_ssize_t n_pos, Py_ssize_t n_blocks,
@@ -111,30 +113,26 @@ def kv_write_batch(k_cache, v_cache, const float[:, :, ::1] k, const float[:, :,
                    const int32_t[::1] starts):
     """kv_write for several sequences: rows rows[i] .. rows[i]+lengths[i]-1 of k, v go to positions
     starts[i] .. of the sequence whose block table is tables[i]."""
-    cdef bint f16 = _check_cache(k_cache, v_cache, True)
     cdef Py_ssize_t T = k.shape[0], n_kv = k.shape[1], d = k.shape[2]
+    cdef int k_type, v_type
+    _check_cache(k_cache, v_cache, d, True, &k_type, &v_type)
     if v.shape[0] != T or v.shape[1] != n_kv or v.shape[2] != d:
         raise ValueError("k and v must have the same shape")
-    if k_cache.shape[1] != n_kv or k_cache.shape[3] != d:
-        raise ValueError(f"k, v have [{n_kv}, {d}] per token, the cache has [{k_cache.shape[1]}, {k_cache.shape[3]}]")
+    if k_cache.shape[1] != n_kv:
+        raise ValueError(f"k, v have {n_kv} kv heads per token, the cache has {k_cache.shape[1]}")
     _check_items(tables, rows, lengths, starts, T, k_cache.shape[0], True)
     cdef char *kc = <char *> cnp.PyArray_DATA(k_cache)
     cdef char *vc = <char *> cnp.PyArray_DATA(v_cache)
-    cdef Py_ssize_t item = 2 if f16 else 4
-    cdef Py_ssize_t block_stride = n_kv * BASERT_KV_BLOCK * d, s, t, h, p, row
+    cdef Py_ssize_t k_bytes = basert_kv_row_bytes(k_type, d), v_bytes = basert_kv_row_bytes(v_type, d)
+    cdef Py_ssize_t s, t, h, p, row
     with nogil:
         for s in range(tables.shape[0]):
             for t in range(rows[s], rows[s] + lengths[s]):
                 p = starts[s] + t - rows[s]
                 for h in range(n_kv):
-                    row = (tables[s, p // BASERT_KV_BLOCK] * block_stride
-                           + (h * BASERT_KV_BLOCK + p % BASERT_KV_BLOCK) * d) * item
-                    if f16:
-                        basert_store_f16(&k[t, h, 0], <uint16_t *> (kc + row), d)
-                        basert_store_f16(&v[t, h, 0], <uint16_t *> (vc + row), d)
-                    else:
-                        memcpy(kc + row, &k[t, h, 0], d * sizeof(float))
-                        memcpy(vc + row, &v[t, h, 0], d * sizeof(float))
+                    row = tables[s, p // BASERT_KV_BLOCK] * n_kv * BASERT_KV_BLOCK + h * BASERT_KV_BLOCK + p % BASERT_KV_BLOCK
+                    basert_kv_store(k_type, &k[t, h, 0], kc + row * k_bytes, d)
+                    basert_kv_store(v_type, &v[t, h, 0], vc + row * v_bytes, d)
 
 
 cdef int _check_items(const int32_t[:, ::1] tables, const int32_t[::1] rows, const int32_t[::1] lengths,
@@ -176,8 +174,8 @@ cdef struct Plan:
     Py_ssize_t group, heads_per_chunk, chunks_per_group, tokens_per_item, per_tile
     const char *kc
     const char *vc
-    Py_ssize_t item, block_stride
-    int f16
+    Py_ssize_t block_rows, k_bytes, v_bytes   # rows per cache block; bytes per K row, per V row
+    int k_type, v_type
     float scale
     Py_ssize_t window   # sliding window in positions, 0 for none
     # Segment partials (split plans): unit u's row r keeps max_seg tops, max_seg sums, then max_seg
@@ -187,7 +185,7 @@ cdef struct Plan:
 
 
 cdef int _unit_rows(const Plan *pl, Py_ssize_t u, const float **rows_q, float **rows_out, Py_ssize_t *rows_pos,
-                    const int32_t **table, Py_ssize_t *head_offset) noexcept nogil:
+                    const int32_t **table, Py_ssize_t *head_row) noexcept nogil:
     """The query rows of unit u, with their output rows and positions seen; returns their count."""
     cdef Py_ssize_t tile = u // pl.per_tile, s = pl.tile_seq[tile], t0 = pl.tile_row[tile], t, h
     cdef Py_ssize_t t1 = min(pl.rows[s] + pl.lengths[s], t0 + pl.tokens_per_item)
@@ -202,7 +200,7 @@ cdef int _unit_rows(const Plan *pl, Py_ssize_t u, const float **rows_q, float **
             rows_pos[n] = pl.starts[s] + (t - pl.rows[s]) + 1
             n += 1
     table[0] = pl.tables + s * pl.table_stride
-    head_offset[0] = kv_head * BASERT_KV_BLOCK * pl.d * pl.item
+    head_row[0] = kv_head * BASERT_KV_BLOCK
     return n
 
 
@@ -212,10 +210,10 @@ cdef void _attend_unit(const Plan *pl, Py_ssize_t u, float *scratch) noexcept no
     cdef float *rows_out[BASERT_ATTN_MAX_ROWS]
     cdef Py_ssize_t rows_pos[BASERT_ATTN_MAX_ROWS]
     cdef const int32_t *table
-    cdef Py_ssize_t head_offset
-    cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_offset)
-    basert_attend_rows(n, rows_q, rows_pos, pl.window, pl.kc + head_offset, pl.vc + head_offset, pl.f16, table,
-                       pl.block_stride, pl.d, pl.scale, scratch, rows_out)
+    cdef Py_ssize_t head_row
+    cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_row)
+    basert_attend_rows(n, rows_q, rows_pos, pl.window, pl.kc + head_row * pl.k_bytes, pl.vc + head_row * pl.v_bytes,
+                       pl.k_type, pl.v_type, table, pl.block_rows, pl.d, pl.scale, scratch, rows_out)
 
 
 cdef void _attend_unit_segment(const Plan *pl, Py_ssize_t u, Py_ssize_t j, float *scratch) noexcept nogil:
@@ -227,9 +225,9 @@ cdef void _attend_unit_segment(const Plan *pl, Py_ssize_t u, Py_ssize_t j, float
     cdef float total[BASERT_ATTN_MAX_ROWS]
     cdef Py_ssize_t rows_pos[BASERT_ATTN_MAX_ROWS]
     cdef const int32_t *table
-    cdef Py_ssize_t head_offset, n_max = 0, p0 = j * BASERT_ATTN_SEGMENT, p1
+    cdef Py_ssize_t head_row, n_max = 0, p0 = j * BASERT_ATTN_SEGMENT, p1
     cdef Py_ssize_t row_floats = pl.max_seg * (pl.d + 2)
-    cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_offset), r
+    cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_row), r
     cdef float *part
     for r in range(n):
         n_max = max(n_max, rows_pos[r])
@@ -237,8 +235,8 @@ cdef void _attend_unit_segment(const Plan *pl, Py_ssize_t u, Py_ssize_t j, float
     if p0 >= n_max:
         return
     p1 = min(p0 + BASERT_ATTN_SEGMENT, n_max)
-    basert_attend_segment(n, rows_q, rows_pos, pl.window, p0, p1, pl.kc + head_offset, pl.vc + head_offset, pl.f16, table,
-                          pl.block_stride, pl.d, pl.scale, scratch, top, total, acc)
+    basert_attend_segment(n, rows_q, rows_pos, pl.window, p0, p1, pl.kc + head_row * pl.k_bytes, pl.vc + head_row * pl.v_bytes,
+                          pl.k_type, pl.v_type, table, pl.block_rows, pl.d, pl.scale, scratch, top, total, acc)
     for r in range(n):
         if rows_pos[r] > p0 and basert_attn_first(rows_pos[r], pl.window) < p0 + BASERT_ATTN_SEGMENT:
             part = pl.parts + (u * BASERT_ATTN_MAX_ROWS + r) * row_floats
@@ -252,8 +250,8 @@ cdef void _merge_unit(const Plan *pl, Py_ssize_t u) noexcept nogil:
     cdef float *rows_out[BASERT_ATTN_MAX_ROWS]
     cdef Py_ssize_t rows_pos[BASERT_ATTN_MAX_ROWS]
     cdef const int32_t *table
-    cdef Py_ssize_t head_offset, row_floats = pl.max_seg * (pl.d + 2)
-    cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_offset), r
+    cdef Py_ssize_t head_row, row_floats = pl.max_seg * (pl.d + 2)
+    cdef int n = _unit_rows(pl, u, rows_q, rows_out, rows_pos, &table, &head_row), r
     cdef Py_ssize_t first
     cdef float *part
     for r in range(n):
@@ -269,13 +267,12 @@ def attention_batch(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[:,
     """attention() for several sequences in one parallel pass: rows rows[i] .. rows[i]+lengths[i]-1 of q
     are positions starts[i] .. of the sequence whose block table is tables[i]. With a sliding window W > 0 the
     token at position p attends to positions max(0, p - W + 1) .. p only."""
-    cdef bint f16 = _check_cache(k_cache, v_cache, False)
     cdef Py_ssize_t T = q.shape[0], H = q.shape[1], d = q.shape[2]
+    cdef int k_type, v_type
+    _check_cache(k_cache, v_cache, d, False, &k_type, &v_type)
     cdef Py_ssize_t n_kv = k_cache.shape[1]
     if out.shape[0] != T or out.shape[1] != H or out.shape[2] != d:
         raise ValueError("out must have the shape of q")
-    if k_cache.shape[3] != d:
-        raise ValueError(f"q has head dim {d}, the cache {k_cache.shape[3]}")
     if n_kv == 0 or H % n_kv:
         raise ValueError(f"{H} query heads cannot share {n_kv} kv heads")
     _check_items(tables, rows, lengths, starts, T, k_cache.shape[0], False)
@@ -325,9 +322,9 @@ def attention_batch(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[:,
     pl.tile_row = tile_row
     pl.kc = <const char *> cnp.PyArray_DATA(k_cache)
     pl.vc = <const char *> cnp.PyArray_DATA(v_cache)
-    pl.item = 2 if f16 else 4
-    pl.block_stride = n_kv * BASERT_KV_BLOCK * d
-    pl.f16 = f16
+    pl.block_rows = n_kv * BASERT_KV_BLOCK
+    pl.k_type, pl.v_type = k_type, v_type
+    pl.k_bytes, pl.v_bytes = basert_kv_row_bytes(k_type, d), basert_kv_row_bytes(v_type, d)
     pl.scale = scale
     pl.window = window
     pl.parts = thread_scratch + nt * per_thread
@@ -352,9 +349,10 @@ def segment_partials(const float[:, ::1] q, k_cache, v_cache, int kv_head, const
     """basert_attend_segment over positions p0 .. p1-1 for query rows q [R, d] of kv head kv_head, row r
     seeing positions 0 .. n_pos[r]-1 (the last `window` of them when window > 0): (top [R], sum [R],
     acc [R, d]), NaN for rows that take no part (ended by p0, or windowed to start at or after p1)."""
-    cdef bint f16 = _check_cache(k_cache, v_cache, False)
     cdef Py_ssize_t n_rows = q.shape[0], d = q.shape[1], n_max = 0, r
-    if n_pos.shape[0] != n_rows or d != k_cache.shape[3] or not 0 <= kv_head < k_cache.shape[1]:
+    cdef int k_type, v_type
+    _check_cache(k_cache, v_cache, d, False, &k_type, &v_type)
+    if n_pos.shape[0] != n_rows or not 0 <= kv_head < k_cache.shape[1]:
         raise ValueError("q, n_pos, kv_head and the cache disagree")
     for r in range(n_rows):
         n_max = max(n_max, n_pos[r])
@@ -373,13 +371,13 @@ def segment_partials(const float[:, ::1] q, k_cache, v_cache, int kv_head, const
     for r in range(n_rows):
         rows_q[r] = <size_t> &q[r, 0]
         rows_acc[r] = <size_t> &acc_v[r, 0]
-    cdef Py_ssize_t head_offset = kv_head * BASERT_KV_BLOCK * d * (2 if f16 else 4)
-    cdef const char *kc = <const char *> cnp.PyArray_DATA(k_cache)
-    cdef const char *vc = <const char *> cnp.PyArray_DATA(v_cache)
-    cdef Py_ssize_t block_stride = k_cache.shape[1] * BASERT_KV_BLOCK * d
+    cdef Py_ssize_t head_row = kv_head * BASERT_KV_BLOCK
+    cdef const char *kc = <const char *> cnp.PyArray_DATA(k_cache) + head_row * basert_kv_row_bytes(k_type, d)
+    cdef const char *vc = <const char *> cnp.PyArray_DATA(v_cache) + head_row * basert_kv_row_bytes(v_type, d)
+    cdef Py_ssize_t block_rows = k_cache.shape[1] * BASERT_KV_BLOCK
     with nogil:
-        basert_attend_segment(n_rows, <const float *const *> &rows_q[0], &n_pos[0], window, p0, p1, kc + head_offset,
-                              vc + head_offset, f16, &block_table[0], block_stride, d,
+        basert_attend_segment(n_rows, <const float *const *> &rows_q[0], &n_pos[0], window, p0, p1, kc,
+                              vc, k_type, v_type, &block_table[0], block_rows, d,
                               scale, &scores_v[0], &top_v[0], &total_v[0], <float *const *> &rows_acc[0])
     return top, total, acc
 

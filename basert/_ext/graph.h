@@ -56,12 +56,12 @@ typedef struct {
     ptrdiff_t window;                       /* sliding window in positions, 0: none */
     const basert_weight *wq, *wk, *wv, *wo; /* [H*d, D], [kv*d, D], [kv*d, D], [D, H*d] */
     const basert_weight *wgate, *wup, *wdown;
-    char *k_cache, *v_cache;                /* [n_blocks, n_kv, 16, d] float32 or float16 */
+    char *k_cache, *v_cache;                /* [n_blocks, n_kv, 16] rows of the model's K and V types */
 } bg_layer;
 
 typedef struct {
     /* Shape */
-    int n_layers, n_heads, n_kv, head_dim, rope_half, interleaved, kv_f16, max_tokens, n_members, activation;
+    int n_layers, n_heads, n_kv, head_dim, rope_half, interleaved, k_type, v_type, max_tokens, n_members, activation;
     ptrdiff_t dim, ffn, vocab, max_pos;
     float eps, scale;
     const float *final_norm;
@@ -159,15 +159,10 @@ static void bg_add_normed(bg_model *m, const float *out_norm, int t, int member)
     for (ptrdiff_t r = 0; r < m->dim; r++) x[r] = x[r] + normed[r];
 }
 
-/* Byte offset of position p of kv head g in a layer's cache. */
-static inline ptrdiff_t bg_cache_offset(const bg_model *m, const int32_t *table, ptrdiff_t p, int g) {
-    const ptrdiff_t d = m->head_dim, block_stride = (ptrdiff_t)m->n_kv * BASERT_KV_BLOCK * d;
-    return ((ptrdiff_t)table[p / BASERT_KV_BLOCK] * block_stride + (g * BASERT_KV_BLOCK + p % BASERT_KV_BLOCK) * d) * (m->kv_f16 ? 2 : 4);
-}
-
-static inline void bg_cache_store(const bg_model *m, const float *row, char *at) {
-    if (m->kv_f16) basert_store_f16(row, (uint16_t *)at, m->head_dim);
-    else memcpy(at, row, (size_t)m->head_dim * sizeof(float));
+/* Byte offset of position p of kv head g in a layer's cache of `type` rows. */
+static inline ptrdiff_t bg_cache_offset(const bg_model *m, int type, const int32_t *table, ptrdiff_t p, int g) {
+    return ((ptrdiff_t)table[p / BASERT_KV_BLOCK] * m->n_kv * BASERT_KV_BLOCK + g * BASERT_KV_BLOCK + p % BASERT_KV_BLOCK) *
+           basert_kv_row_bytes(type, m->head_dim);
 }
 
 /* What follows the projection of one head row of token t: q and k get their norm and RoPE, k and v go
@@ -184,14 +179,13 @@ static void bg_finish_head(const bg_model *m, const bg_layer *l, int t, int part
         return;
     }
     const int32_t *table = m->tables + (ptrdiff_t)item * m->table_stride;
-    const ptrdiff_t at = bg_cache_offset(m, table, p, head);
     if (part == 1) {
         float *k = m->k + (t * (ptrdiff_t)m->n_kv + head) * d;
         if (l->k_norm) basert_rmsnorm_row(k, l->k_norm, m->eps, k, d);
         basert_rope_row(k, c, s, m->rope_half, m->interleaved);
-        bg_cache_store(m, k, l->k_cache + at);
+        basert_kv_store(m->k_type, k, l->k_cache + bg_cache_offset(m, m->k_type, table, p, head), d);
     } else {
-        bg_cache_store(m, m->v + (t * (ptrdiff_t)m->n_kv + head) * d, l->v_cache + at);
+        basert_kv_store(m->v_type, m->v + (t * (ptrdiff_t)m->n_kv + head) * d, l->v_cache + bg_cache_offset(m, m->v_type, table, p, head), d);
     }
 }
 
@@ -250,10 +244,11 @@ static void bg_unit_rows_of(const bg_model *m, int unit, int member, bg_unit_row
 
 /* ATTN chunk: segment j of unit u. */
 static void bg_attention_segment(bg_model *m, const bg_layer *l, int unit, int j, int member) {
-    const ptrdiff_t d = m->head_dim, item_bytes = m->kv_f16 ? 2 : 4, block_stride = (ptrdiff_t)m->n_kv * BASERT_KV_BLOCK * d;
+    const ptrdiff_t d = m->head_dim, block_rows = (ptrdiff_t)m->n_kv * BASERT_KV_BLOCK;
     const int item = unit / m->n_kv, g = unit % m->n_kv, n_segments = bg_unit_segments(m, unit);
     const int32_t *table = m->tables + (ptrdiff_t)item * m->table_stride;
-    const ptrdiff_t head_offset = (ptrdiff_t)g * BASERT_KV_BLOCK * d * item_bytes;
+    const ptrdiff_t k_offset = (ptrdiff_t)g * BASERT_KV_BLOCK * basert_kv_row_bytes(m->k_type, d);
+    const ptrdiff_t v_offset = (ptrdiff_t)g * BASERT_KV_BLOCK * basert_kv_row_bytes(m->v_type, d);
     float *scores = m->scores + (ptrdiff_t)member * m->unit_rows * (BASERT_ATTN_SEGMENT + 8);
     bg_unit_rows rows;
     bg_unit_rows_of(m, unit, member, &rows);
@@ -267,8 +262,8 @@ static void bg_attention_segment(bg_model *m, const bg_layer *l, int unit, int j
         const int n = rows.n - r0 < BASERT_ATTN_MAX_ROWS ? rows.n - r0 : BASERT_ATTN_MAX_ROWS;
         for (int r = 0; r < n; r++)
             acc[r] = n_segments == 1 ? rows.out[r0 + r] : m->part_acc + ((ptrdiff_t)rows.index[r0 + r] * m->max_segments + j) * d;
-        basert_attend_segment(n, rows.q + r0, rows.n_pos + r0, l->window, p0, p1, l->k_cache + head_offset, l->v_cache + head_offset,
-                              m->kv_f16, table, block_stride, d, m->scale, scores, top, sum, acc);
+        basert_attend_segment(n, rows.q + r0, rows.n_pos + r0, l->window, p0, p1, l->k_cache + k_offset, l->v_cache + v_offset,
+                              m->k_type, m->v_type, table, block_rows, d, m->scale, scores, top, sum, acc);
         for (int r = 0; r < n; r++) {
             if (!basert_attn_takes_part(rows.n_pos[r0 + r], l->window, p0)) continue;
             if (n_segments == 1) {

@@ -11,6 +11,8 @@ cimport numpy as cnp
 from libc.stdint cimport int32_t, uint8_t
 from libc.stdlib cimport free, malloc
 
+from basert._ext.kvtypes import kv_type_of
+
 cnp.import_array()
 
 cdef extern from "graph.h" nogil:
@@ -55,7 +57,7 @@ cdef extern from "graph.h" nogil:
         char *k_cache
         char *v_cache
     ctypedef struct bg_model:
-        int n_layers, n_heads, n_kv, head_dim, rope_half, interleaved, kv_f16, max_tokens, n_members, activation
+        int n_layers, n_heads, n_kv, head_dim, rope_half, interleaved, k_type, v_type, max_tokens, n_members, activation
         Py_ssize_t dim, ffn, vocab, max_pos
         float eps, scale
         const float *final_norm
@@ -190,7 +192,7 @@ cdef class DecodeGraph:
             l.v_cache = NULL
         cdef bg_model *m = &self.m
         m.n_layers, m.n_heads, m.n_kv, m.head_dim = n_layers, n_heads, n_kv, head_dim
-        m.rope_half, m.interleaved, m.kv_f16, m.max_tokens = tables[0][0].shape[1], interleaved, 0, max_tokens
+        m.rope_half, m.interleaved, m.k_type, m.v_type, m.max_tokens = tables[0][0].shape[1], interleaved, 0, 0, max_tokens
         m.dim, m.ffn, m.vocab, m.max_pos = dim, ffn, vocab, tables[0][0].shape[0]
         m.max_k = max(dim, qdim, ffn)
         m.eps, m.scale = eps, scale
@@ -255,22 +257,21 @@ cdef class DecodeGraph:
         cdef bg_model *m = &self.m
         if len(k_caches) != m.n_layers or len(v_caches) != m.n_layers:
             raise ValueError(f"{m.n_layers} layers need as many K and V caches")
-        dtype = k_caches[0].dtype
-        if dtype not in (np.float32, np.float16):
-            raise ValueError("KV caches must be float32 or float16")
-        shape = k_caches[0].shape
-        if len(shape) != 4 or shape[1] != m.n_kv or shape[2] != BASERT_KV_BLOCK or shape[3] != m.head_dim:
-            raise ValueError(f"KV caches must be [n_blocks, {m.n_kv}, {BASERT_KV_BLOCK}, {m.head_dim}]")
-        for i in range(m.n_layers):
-            for cache in (k_caches[i], v_caches[i]):
-                if (not isinstance(cache, np.ndarray) or cache.dtype != dtype or cache.shape != shape
+        k_type, v_type = kv_type_of(k_caches[0], m.head_dim), kv_type_of(v_caches[0], m.head_dim)
+        for caches in (k_caches, v_caches):
+            shape = caches[0].shape
+            if len(shape) != 4 or shape[1] != m.n_kv or shape[2] != BASERT_KV_BLOCK or shape[0] != k_caches[0].shape[0]:
+                raise ValueError(f"KV caches must be [n_blocks, {m.n_kv}, {BASERT_KV_BLOCK}, row] with as many blocks")
+            for cache in caches:
+                if (not isinstance(cache, np.ndarray) or cache.dtype != caches[0].dtype or cache.shape != shape
                         or not cache.flags.c_contiguous or not cache.flags.writeable):
-                    raise ValueError("KV caches must be writable C-contiguous arrays of one shape and type")
+                    raise ValueError("the K (and the V) caches must be writable C-contiguous arrays of one shape and type")
+        for i in range(m.n_layers):
             self.layers[i].k_cache = <char *> cnp.PyArray_DATA(k_caches[i])
             self.layers[i].v_cache = <char *> cnp.PyArray_DATA(v_caches[i])
-        m.kv_f16 = dtype == np.float16
+        m.k_type, m.v_type = k_type.code, v_type.code
         self.k_bound, self.v_bound = k_caches, v_caches
-        self.n_blocks = shape[0]
+        self.n_blocks = k_caches[0].shape[0]
         return 0
 
     def team_stats(self, bint reset=False):

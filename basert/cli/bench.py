@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from basert._ext.kvtypes import KV_TYPES
+
 if TYPE_CHECKING:
     from basert.engine.engine import Engine
 
@@ -95,7 +97,8 @@ def repeating_context(rng: np.random.Generator, vocab_size: int, depth: int) -> 
 
 
 def run_bench(path: Path, prompt_sizes: list[int], gen_sizes: list[int], repetitions: int, warmup: int,
-              threads: int | None = None, kv_bits: int = 16, depths: tuple[int, ...] = (0,),
+              threads: int | None = None, cache_types: tuple[str, str] = ("f16", "f16"),
+              depths: tuple[int, ...] = (0,),
               batch: int = 1, on_engine: Callable[[Engine], None] | None = None,
               spec: int | None = None) -> list[BenchResult]:
     """Measure each ppN and tgN at each context depth `repetitions` times after `warmup` unrecorded runs; tgN
@@ -107,7 +110,8 @@ def run_bench(path: Path, prompt_sizes: list[int], gen_sizes: list[int], repetit
     from basert.engine import EngineOptions, build_engine
 
     max_context = max(depths + (256,) if spec is not None else depths) + max(prompt_sizes + gen_sizes + [16]) + 32
-    engine = build_engine(path, EngineOptions(max_context=max_context, threads=threads, kv_bits=kv_bits,
+    engine = build_engine(path, EngineOptions(max_context=max_context, threads=threads, cache_type_k=cache_types[0],
+                                              cache_type_v=cache_types[1],
                                               n_slots=batch, paged_kv=batch > 1, continuous_batching=batch > 1,
                                               spec_draft_max=spec or 0))
     if on_engine is not None:
@@ -181,6 +185,7 @@ def markdown_table(model_name: str, size_bytes: int, results: list[BenchResult])
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from basert.cli.generate import model_path_for
+    from basert.engine.build import ModelOptionsError
     from basert.engine.runner import default_threads
 
     if args.variant:
@@ -189,8 +194,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if min(args.depth) < 0 or args.batch < 1 or (args.spec is not None and not 0 <= args.spec <= 64):
         print("error: -d needs depths >= 0, -b a batch >= 1 and --spec a K in [0, 64]", file=sys.stderr)
         return 2
-    results = run_bench(path, args.n_prompt, args.n_gen, args.repetitions, args.warmup, args.threads,
-                        args.kv_bits, tuple(args.depth), args.batch, spec=args.spec)
+    try:
+        results = run_bench(path, args.n_prompt, args.n_gen, args.repetitions, args.warmup, args.threads,
+                            (args.cache_type_k, args.cache_type_v), tuple(args.depth), args.batch, spec=args.spec)
+    except ModelOptionsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"{cpu_model()} ({kernel_variant()} kernels), {args.threads or default_threads()} threads", file=sys.stderr)
     print(markdown_table(path.parent.parent.name if path.name == "model.base" else path.name,
                          path.stat().st_size, results))
@@ -218,7 +227,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "16-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
     p.add_argument("--variant", choices=("portable", "avx2", "avx512"),
                    help="the CPU variant of the kernels (default: the best this CPU runs; same as BASERT_CPU)")
-    p.add_argument("--kv-bits", type=int, choices=(16, 32), default=16, help="KV element width (default 16)")
+    p.add_argument("--cache-type-k", "-ctk", default="f16", metavar="TYPE",
+                   help=f"how K rows are stored in the KV cache: {', '.join(KV_TYPES)} (default f16)")
+    p.add_argument("--cache-type-v", "-ctv", default="f16", metavar="TYPE",
+                   help=f"how V rows are stored in the KV cache: {', '.join(KV_TYPES)} (default f16)")
     p.add_argument("--spec", type=int, metavar="K",
                    help="speculative decoding mode: tgN generates greedily through the engine's scheduler with up "
                    "to K drafted tokens per step (0: none, the comparison) after a context that repeats itself "

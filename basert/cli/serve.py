@@ -11,12 +11,14 @@ import socket
 import sys
 from pathlib import Path
 
+from basert._ext.kvtypes import KV_TYPES
 from basert.engine.drafts import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX
 from basert.server.logs import RepeatedWarningFilter
 
 log = logging.getLogger("basert.serve")
 
 DEFAULT_LANES = 4  # slots batched together when no flag says otherwise
+KV_TYPE_NAMES = ", ".join(KV_TYPES)
 # How long the requests the server ends when it stops get to send their error (a stream, its last events).
 ENDED_ANSWER_SECONDS = 5.0
 
@@ -48,7 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action="store_true",
                    help="quantized weights take the exact float32 path (slower): the reference that the default, "
                    "16-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
-    p.add_argument("--kv-bits", type=int, choices=(16, 32), default=16, help="KV element width (default 16)")
+    p.add_argument("--cache-type-k", "-ctk", default="f16", metavar="TYPE",
+                   help=f"how K rows are stored in the KV cache: {KV_TYPE_NAMES} (default f16); q8_0 takes about "
+                   "half the memory of f16, reads half the bytes at depth, and agrees with f16 on the top token")
+    p.add_argument("--cache-type-v", "-ctv", default="f16", metavar="TYPE",
+                   help=f"how V rows are stored in the KV cache: {KV_TYPE_NAMES} (default f16)")
     p.add_argument("--paged-kv", action="store_true",
                    help="one shared KV block pool, blocks allocated on demand (implied by continuous batching "
                    "and the prefix cache; without both, each slot reserves --max-context)")
@@ -236,7 +242,8 @@ def engine_options(args: argparse.Namespace):
         context_total=args.context_total,
         kv_memory=args.kv_memory,
         within_trained=True,
-        kv_bits=args.kv_bits,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
         threads=args.threads,
         prefix_cache=args.prefix_cache is not False,
         prefix_cache_file=args.prefix_cache_file,
@@ -337,7 +344,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from basert.actor.messages import FailGenerations
     from basert.cli.generate import model_path_for
-    from basert.engine.build import ContextSizeError
+    from basert.engine.build import ModelOptionsError
     from basert.format.atomic import remove_stale_temp_files
     from basert.format.errors import ModelValidationError
     from basert.server.app import ServerSettings, create_app, is_loopback
@@ -367,7 +374,7 @@ def serve(args: argparse.Namespace) -> int:
         path = model_path_for(spec)
         try:
             model = load_model(path, args)
-        except (ModelValidationError, ContextSizeError) as exc:
+        except (ModelValidationError, ModelOptionsError) as exc:
             raise StartupError(str(exc)) from None
         catalog.add(model, alias=args.alias)
         log.info("loaded %s from %s (%s, n_ctx %d)", model.info.id, path, model.info.arch, model.info.n_ctx)

@@ -12,8 +12,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
+from basert._ext.kvtypes import Q8_VALUES, KVType, kv_type
 from basert.engine.drafts import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX
 from basert.engine.embeddings import POOLINGS
 from basert.engine.engine import Engine
@@ -47,7 +46,8 @@ class EngineOptions:
     context_total: int | None = None    # llama.cpp's -c: tokens of context over all slots (the pool's size)
     kv_memory: int | None = None        # bytes the KV pool may take (default: KV_MEMORY_SHARE of available memory)
     within_trained: bool = False        # refuse a context beyond the model's trained one (the server does)
-    kv_bits: int = 16                   # KV element width: 16 or 32
+    cache_type_k: str = "f16"           # how K and V rows are stored: a name of basert._ext.kvtypes (llama.cpp's)
+    cache_type_v: str = "f16"
     threads: int | None = None          # default: every core this process may run on
     exact: bool | None = None           # quantized weights on the exact float32 path (None: BASERT_EXACT / --exact)
     prefix_cache: bool = False
@@ -83,8 +83,6 @@ class EngineOptions:
             raise ValueError("max_context must be at least 2")
         if self.kv_memory is not None and self.kv_memory < 1:
             raise ValueError("kv_memory must be at least 1 byte")
-        if self.kv_bits not in (16, 32):
-            raise ValueError("kv_bits must be 16 or 32")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 16:
             raise ValueError("kv_cache_tokens must be at least 16 (one block)")
         if self.threads is not None and self.threads < 1:
@@ -101,8 +99,28 @@ class EngineOptions:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}")
 
 
-class ContextSizeError(ValueError):
-    """A context or KV pool that the model or the memory cannot hold (one line, naming the flag to change)."""
+class ModelOptionsError(ValueError):
+    """Options that this model or this machine cannot serve (one line, naming the flag to change)."""
+
+
+class ContextSizeError(ModelOptionsError):
+    """A context or KV pool that the model or the memory cannot hold."""
+
+
+def kv_types(options: EngineOptions, config: DecoderConfig) -> tuple[KVType, KVType]:
+    """The K and V types the options name, for this model; ModelOptionsError for a name that does not exist or a
+    type that cannot hold the model's rows."""
+    types = []
+    for name, flag in ((options.cache_type_k, "--cache-type-k"), (options.cache_type_v, "--cache-type-v")):
+        try:
+            kind = kv_type(name)
+        except ValueError as exc:
+            raise ModelOptionsError(f"{exc} ({flag})") from None
+        if not kind.supports(config.head_dim):
+            raise ModelOptionsError(f"{kind.name} KV rows ({flag}) need a head dim that is a multiple of {Q8_VALUES}; "
+                                    f"this model's is {config.head_dim}")
+        types.append(kind)
+    return types[0], types[1]
 
 
 def available_memory() -> int:
@@ -117,8 +135,7 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def plan_context(options: EngineOptions, config: DecoderConfig, kv_itemsize: int,
-                 available: int | None = None) -> tuple[int, int]:
+def plan_context(options: EngineOptions, config: DecoderConfig, available: int | None = None) -> tuple[int, int]:
     """(tokens of context per slot, tokens of the KV pool) for options that are resolved and checked.
 
     The context per slot is --max-context, else -c's share (context_total / n_slots), else the model's trained
@@ -127,7 +144,9 @@ def plan_context(options: EngineOptions, config: DecoderConfig, kv_itemsize: int
     (kv_memory, default KV_MEMORY_SHARE of `available` memory): a pool that was asked for and does not fit is a
     ContextSizeError, and so is a context beyond the trained one; a default pool shrinks to what fits, shared by
     paged slots (a default context no larger than it) or split between slots that reserve their context."""
-    per_token = 2 * config.kv_layers * config.num_key_value_heads * config.head_dim * kv_itemsize
+    k_type, v_type = kv_types(options, config)
+    per_token = config.kv_layers * config.num_key_value_heads * (k_type.row_bytes(config.head_dim)
+                                                                 + v_type.row_bytes(config.head_dim))
     trained = config.trained_context
     asked = options.max_context or (options.context_total // options.n_slots if options.context_total else None)
     max_context = asked or trained or DEFAULT_CONTEXT
@@ -172,14 +191,14 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
     options = options.resolved()
     options.check()
     path = Path(path)
-    kv_dtype = np.float16 if options.kv_bits == 16 else np.float32
     with BaseFile(path, verify_checksums=False) as base:
         config = read_config(base)
-    max_context, pool = plan_context(options, config, np.dtype(kv_dtype).itemsize)
+    max_context, pool = plan_context(options, config)
     options = replace(options, max_context=max_context)
     kv_blocks = blocks_for(pool) if options.paged_kv else None
     runner = ModelRunner(path, max_context=options.max_context, threads=options.threads,
-                         max_sequences=options.n_slots, kv_blocks=kv_blocks, kv_dtype=kv_dtype,
+                         max_sequences=options.n_slots, kv_blocks=kv_blocks, cache_type_k=options.cache_type_k,
+                         cache_type_v=options.cache_type_v,
                          verify_checksums=options.verify_checksums, exact=options.exact)
     try:
         tokenizer = tokenizer_of(runner.base.pop_tokenizer())

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from basert._ext.kvtypes import Q8_VALUES, KVType
 from basert.errors import UnavailableError
 
 BLOCK_SIZE = 16
@@ -96,18 +97,22 @@ class BlockPool:
 
 
 class KVCache:
-    """K and V of every attention layer, shaped [n_blocks, n_kv_heads, BLOCK_SIZE, head_dim]."""
+    """K and V of every attention layer, shaped [n_blocks, n_kv_heads, BLOCK_SIZE, row] with rows of head_dim
+    values stored as the K and the V type (basert._ext.kvtypes)."""
 
-    def __init__(self, n_layers: int, n_blocks: int, n_kv_heads: int, head_dim: int, dtype: np.dtype):
-        if np.dtype(dtype) not in (np.dtype(np.float16), np.dtype(np.float32)):
-            raise ValueError(f"KV element type must be float16 or float32, not {dtype}")
-        shape = (n_blocks, n_kv_heads, BLOCK_SIZE, head_dim)
+    def __init__(self, n_layers: int, n_blocks: int, n_kv_heads: int, head_dim: int, k_type: KVType, v_type: KVType):
+        for kind in (k_type, v_type):
+            if not kind.supports(head_dim):
+                raise ValueError(f"{kind.name} KV rows need a head dim that is a multiple of {Q8_VALUES}; "
+                                 f"this model's is {head_dim}")
         # Written once now, not lazily on first use: the pool's memory is taken at start, so a server that
         # cannot hold it fails before it serves, and its resident size does not creep up under load.
-        self.k = [np.full(shape, 0, dtype=dtype) for _ in range(n_layers)]
-        self.v = [np.full(shape, 0, dtype=dtype) for _ in range(n_layers)]
+        self.k = [np.full((n_blocks, n_kv_heads, BLOCK_SIZE, k_type.row_units(head_dim)), 0, dtype=k_type.storage)
+                  for _ in range(n_layers)]
+        self.v = [np.full((n_blocks, n_kv_heads, BLOCK_SIZE, v_type.row_units(head_dim)), 0, dtype=v_type.storage)
+                  for _ in range(n_layers)]
         self.n_blocks = n_blocks
-        self.dtype = np.dtype(dtype)
+        self.k_type, self.v_type = k_type, v_type
 
     @property
     def nbytes(self) -> int:

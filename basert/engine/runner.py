@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from basert._ext import matmul as mm
+from basert._ext.kvtypes import kv_type
 from basert.engine.kv import BLOCK_SIZE, BlockPool, BlockTable, KVCache, KVSpace, blocks_for
 from basert.engine.sequence import RECURRENT_DTYPE, RecurrentState, SequenceState
 from basert.errors import InvalidRequestError
@@ -90,7 +91,8 @@ class ModelRunner:
         *,
         max_context: int = 4096,
         max_sequences: int = 1,
-        kv_dtype: type = np.float32,
+        cache_type_k: str = "f32",
+        cache_type_v: str = "f32",
         kv_blocks: int | None = None,
         threads: int | None = None,
         verify_checksums: bool = True,
@@ -124,7 +126,7 @@ class ModelRunner:
         n_blocks = kv_blocks if kv_blocks is not None else max_sequences * self.max_blocks_per_sequence
         self.pool = BlockPool(n_blocks)
         self.kv = KVCache(self.n_attention_layers, n_blocks, self.config.num_key_value_heads,
-                          self.config.head_dim, kv_dtype)
+                          self.config.head_dim, kv_type(cache_type_k), kv_type(cache_type_v))
         self.workspace = Workspace()
 
     @property
@@ -134,11 +136,6 @@ class ModelRunner:
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
-
-    @property
-    def kv_dtype(self) -> np.dtype:
-        """Element type of the KV cache (also of a model without attention layers, whose cache is empty)."""
-        return self.kv.dtype
 
     @property
     def recurrent_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -203,7 +200,7 @@ class ModelRunner:
             return KVSpace(self.pool, self.kv)
         return KVSpace(BlockPool(n_blocks), KVCache(self.n_attention_layers, n_blocks,
                                                      self.config.num_key_value_heads, self.config.head_dim,
-                                                     self.kv.dtype))
+                                                     self.kv.k_type, self.kv.v_type))
 
     def forward(self, requests: list[ForwardRequest], *, hidden: bool = False,
                 space: KVSpace | None = None) -> list[np.ndarray | None]:

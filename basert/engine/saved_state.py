@@ -2,22 +2,23 @@
 
 Both are framed files (`basert.format.framed`: magic, u32 version, u32 header length, UTF-8 JSON header),
 the payload little-endian after the header. Both headers hold the `StateLayout` of the model that wrote
-them (keys fingerprint, kv_dtype, n_attention_layers, n_kv_heads, head_dim, conv_shape, ssm_shape; the
-shapes are null for a model without linear-attention layers). Both are written atomically (temp file,
-fsync, rename): a disk error raises StorageError and leaves the previous file as it was. A file is read
+them (keys fingerprint, k_type, v_type, n_attention_layers, n_kv_heads, head_dim, conv_shape, ssm_shape; the
+KV types are names of basert._ext.kvtypes, the shapes null for a model without linear-attention layers; a header
+of an earlier version names one `kv_dtype`, "float16" or "float32", for both). Both are written atomically (temp
+file, fsync, rename): a disk error raises StorageError and leaves the previous file as it was. A file is read
 only into a model of the same layout, and only once every length in it has been checked against the
 file's size: a refused file changes nothing.
 
 Slot snapshot, magic `BSLT`, version 2: one slot's tokens, the KV of its used positions and its
 recurrent states. Header: the layout, arch, n_tokens, and checkpoints (the token counts of the slot's
 checkpoints, ascending; hybrids only). Payload: int32 tokens[n_tokens]; per attention layer K then V as
-[n_tokens, n_kv_heads, head_dim] in the KV element type; then (hybrids) the float32 conv and ssm states
-of the slot, then the conv and ssm states of each checkpoint in order.
+[n_tokens, n_kv_heads, row] rows as the cache stores them (their KV type's storage); then (hybrids) the float32
+conv and ssm states of the slot, then the conv and ssm states of each checkpoint in order.
 
 Prefix cache file, magic `BPXC`, version 1: one model's cached blocks and hybrid snapshots, beside the
 configured path as `PATH.<model id with "/" replaced by "--">`. Header: block_size, the layout, n_blocks
 and n_snapshots. Payload: u64 keys[n_blocks], u64 parents[n_blocks], int32 tokens[n_blocks, block_size];
-per attention layer K then V as [n_blocks, n_kv_heads, block_size, head_dim]; then u64
+per attention layer K then V as [n_blocks, n_kv_heads, block_size, row] (rows as stored); then u64
 snapshot_keys[n_snapshots], float32 conv[n_snapshots, ...] and float32 ssm[n_snapshots, ...]. A load
 first removes the temp files of killed saves and checks every block against its key.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from basert._ext.kvtypes import KVType
 from basert.engine.kv import BLOCK_SIZE, blocks_for
 from basert.engine.prefix_cache import PrefixCache
 from basert.engine.runner import ModelRunner
@@ -40,6 +42,8 @@ from basert.format.framed import read_frame, write_frame
 
 TOKEN_DTYPE = np.dtype(np.int32)
 KEY_DTYPE = np.dtype(np.uint64)
+# The KV types of the files of earlier versions, which named one element type for K and V.
+_EARLIER_KV_DTYPES = {"float16": "f16", "float32": "f32"}
 
 
 class SnapshotError(InvalidRequestError, ValueError):
@@ -77,7 +81,8 @@ class StateLayout:
     model has no attention layer)."""
 
     fingerprint: str
-    kv_dtype: np.dtype
+    k_type: KVType
+    v_type: KVType
     n_attention_layers: int
     n_kv_heads: int
     head_dim: int
@@ -88,14 +93,15 @@ class StateLayout:
     def of(cls, runner: ModelRunner) -> StateLayout:
         """The layout of the state this runner computes."""
         conv_shape, ssm_shape = runner.recurrent_shapes or (None, None)
-        return cls(runner.fingerprint, runner.kv_dtype, runner.n_attention_layers,
+        return cls(runner.fingerprint, runner.kv.k_type, runner.kv.v_type, runner.n_attention_layers,
                    runner.config.num_key_value_heads, runner.config.head_dim, conv_shape, ssm_shape)
 
     def as_header(self) -> dict:
         """The layout as JSON header fields."""
         return {
             "fingerprint": self.fingerprint,
-            "kv_dtype": str(self.kv_dtype),
+            "k_type": self.k_type.name,
+            "v_type": self.v_type.name,
             "n_attention_layers": self.n_attention_layers,
             "n_kv_heads": self.n_kv_heads,
             "head_dim": self.head_dim,
@@ -108,9 +114,12 @@ class StateLayout:
         if header.get("fingerprint") != self.fingerprint:
             raise error_type(f"{name} was saved from a different model")
         expected = self.as_header()
+        if "k_type" not in header and header.get("kv_dtype") in _EARLIER_KV_DTYPES:
+            header = {**header, "k_type": _EARLIER_KV_DTYPES[header["kv_dtype"]],
+                      "v_type": _EARLIER_KV_DTYPES[header["kv_dtype"]]}
         if not self.n_attention_layers:
-            # Without attention layers a file holds no KV values, whatever element type it names.
-            del expected["kv_dtype"]
+            # Without attention layers a file holds no KV values, whatever types it names.
+            del expected["k_type"], expected["v_type"]
         for key, value in expected.items():
             if header.get(key) != value:
                 raise error_type(f"{name} {key} {header.get(key)!r} does not match this server's {value!r}")
@@ -118,7 +127,14 @@ class StateLayout:
     @property
     def kv_nbytes_per_token(self) -> int:
         """Bytes of one position's K and V over all attention layers."""
-        return 2 * self.n_attention_layers * self.n_kv_heads * self.head_dim * self.kv_dtype.itemsize
+        return self.n_attention_layers * self.n_kv_heads * (self.k_type.row_bytes(self.head_dim)
+                                                            + self.v_type.row_bytes(self.head_dim))
+
+    def take_kv(self, payload: _Reader, *shape: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each attention layer's K and V from the payload, `shape` ending at the row of each type."""
+        k_row, v_row = self.k_type.row_units(self.head_dim), self.v_type.row_units(self.head_dim)
+        return [(payload.take(self.k_type.storage, (*shape, k_row)), payload.take(self.v_type.storage, (*shape, v_row)))
+                for _ in range(self.n_attention_layers)]
 
 
 @dataclass(slots=True)
@@ -166,18 +182,18 @@ def _open_checked(kind: _FileKind, layout: StateLayout, data: bytes,
 # --- slot snapshots -------------------------------------------------------------------------------------
 
 def _kv_positions(cache: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
-    """[n, n_kv_heads, head_dim] values of positions 0..n-1 gathered through a block table."""
+    """[n, n_kv_heads, row] rows of positions 0..n-1 gathered through a block table."""
     gathered = cache[blocks]                          # [nb, H, 16, d]
     return gathered.transpose(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:n]
 
 
 def _put_kv_positions(cache: np.ndarray, blocks: np.ndarray, values: np.ndarray) -> None:
-    """Write [n, n_kv_heads, head_dim] values to positions 0..n-1 through a block table (the rest of the last
-    block is zeroed)."""
-    n, n_heads, head_dim = values.shape
-    padded = np.zeros((len(blocks) * BLOCK_SIZE, n_heads, head_dim), dtype=cache.dtype)
+    """Write [n, n_kv_heads, row] rows to positions 0..n-1 through a block table (the rest of the last block is
+    zeroed)."""
+    n, n_heads, row = values.shape
+    padded = np.zeros((len(blocks) * BLOCK_SIZE, n_heads, row), dtype=cache.dtype)
     padded[:n] = values
-    cache[blocks] = padded.reshape(len(blocks), BLOCK_SIZE, n_heads, head_dim).transpose(0, 2, 1, 3)
+    cache[blocks] = padded.reshape(len(blocks), BLOCK_SIZE, n_heads, row).transpose(0, 2, 1, 3)
 
 
 def save_slot(runner: ModelRunner, slot: Slot, path: Path) -> SnapshotInfo:
@@ -218,9 +234,7 @@ def restore_slot(runner: ModelRunner, slots: Slots, slot: Slot, path: Path) -> S
     n_states = 1 + len(checkpoints) if layout.conv_shape is not None else 0
     payload.expect((TOKEN_DTYPE.itemsize + layout.kv_nbytes_per_token) * n + runner.recurrent_state_nbytes * n_states)
     tokens = payload.take_tokens((n,), runner.vocab_size)
-    kv_shape = (n, layout.n_kv_heads, layout.head_dim)
-    kv = [(payload.take(layout.kv_dtype, kv_shape), payload.take(layout.kv_dtype, kv_shape))
-          for _ in range(layout.n_attention_layers)]
+    kv = layout.take_kv(payload, n, layout.n_kv_heads)
     states = [(payload.take(RECURRENT_DTYPE, layout.conv_shape), payload.take(RECURRENT_DTYPE, layout.ssm_shape))
               for _ in range(n_states)]
 
@@ -311,9 +325,7 @@ def load_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> in
     keys = payload.take(KEY_DTYPE, (n_blocks,))
     parents = payload.take(KEY_DTYPE, (n_blocks,))
     tokens = payload.take_tokens((n_blocks, BLOCK_SIZE), runner.vocab_size)
-    kv_shape = (n_blocks, layout.n_kv_heads, BLOCK_SIZE, layout.head_dim)
-    kv = [(payload.take(layout.kv_dtype, kv_shape), payload.take(layout.kv_dtype, kv_shape))
-          for _ in range(layout.n_attention_layers)]
+    kv = layout.take_kv(payload, n_blocks, layout.n_kv_heads, BLOCK_SIZE)
     snapshot_keys = payload.take(KEY_DTYPE, (n_snapshots,))
     if n_snapshots:
         convs = payload.take(RECURRENT_DTYPE, (n_snapshots, *layout.conv_shape))
