@@ -167,3 +167,16 @@ def test_serve_takes_the_trained_context_and_c_as_llama_cpp(smollm2_base: Path, 
         props = httpx.get(server.url + "/props").json()
         assert props["default_generation_settings"]["n_ctx"] == 4096 and props["total_slots"] == 4
         assert "4 slot(s), KV paged: 256 blocks of 16 tokens" in server.log_text()
+
+
+def test_serve_with_q8_0_kv_reports_its_smaller_pool(smollm2_base: Path, smollm2_config, tmp_path: Path):
+    """-ctk/-ctv q8_0: the same 4,096-token pool in 68 bytes per kv head row instead of f16's 128, as /metrics says;
+    the server answers as usual."""
+    with ServerProcess(smollm2_base, "-c", "4096", "-ctk", "q8_0", "-ctv", "q8_0", "--metrics",
+                       log_path=tmp_path / "q8.log") as server:
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": "The capital of France is",
+                                                                     "max_tokens": 8, "temperature": 0}, timeout=60)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"]
+        metrics = httpx.get(server.url + "/metrics").text
+    line = next(line for line in metrics.splitlines() if line.startswith("basert_kv_bytes{"))
+    assert float(line.split()[-1]) == 4096 * per_token(smollm2_config, "q8_0", "q8_0")

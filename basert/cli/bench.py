@@ -41,10 +41,13 @@ class BenchResult:
 
 
 def fill_context(engine, depth_tokens: list[int], slot: int = 0) -> None:
-    """Empty the slot, then give it `depth_tokens` of history (not timed)."""
-    engine.erase(slot)
+    """Give the slot exactly `depth_tokens` of history (not timed). What the slot holds from the run before is reused
+    as far as it agrees (the prefix cache's rule), so a deep context is computed once for all the runs at that depth,
+    not once per run (llama-bench keeps its depth state alike)."""
     if depth_tokens:
         engine.prefill(depth_tokens, slot)
+    else:
+        engine.erase(slot)
 
 
 def time_prefill(engine, depth_tokens: list[int], tokens: list[int]) -> float:
