@@ -23,15 +23,17 @@ SAME_VALUE = {
     "-a": "--alias", "--alias": "--alias", "--api-key": "--api-key", "--api-key-file": "--api-key-file",
     "--slot-save-path": "--slot-save-path", "--log-file": "--log-file",
     "--chat-template-file": "--chat-template",
+    "-ctk": "--cache-type-k", "--cache-type-k": "--cache-type-k",
+    "-ctv": "--cache-type-v", "--cache-type-v": "--cache-type-v",
 }
 # llama.cpp switches (no value) and BaseRT's.
 SAME_SWITCH = {"--no-slots": "--no-slots", "--metrics": "--metrics", "-nocb": "--no-continuous-batching",
-               "--no-cont-batching": "--no-continuous-batching"}
+               "--no-cont-batching": "--no-continuous-batching", "--context-shift": "--context-shift"}
 # llama.cpp switches that take no value and need nothing here (BaseRT's default already behaves so).
 NO_VALUE = {
     "--slots", "--jinja", "-cb", "--cont-batching", "-fa", "--flash-attn",
     "--embedding", "--embeddings", "--reranking", "--rerank", "--no-webui", "--verbose", "-v", "--log-verbose",
-    "--no-context-shift", "--context-shift", "--no-mmap", "--mlock", "--no-warmup", "--props", "--no-perf",
+    "--no-context-shift", "--no-mmap", "--mlock", "--no-warmup", "--props", "--no-perf",
     "--log-disable", "--log-colors", "--log-prefix", "--log-timestamps", "--no-mmproj", "--no-prefill-assistant",
     "--ignore-eos", "-sp", "--special", "--check-tensors", "--no-kv-offload", "-nkvo",
 }

@@ -117,9 +117,9 @@ static inline void basert_store_f16(const float *x, uint16_t *dst, ptrdiff_t n) 
  * BASERT_KV_Q8_0_H, how q8_0 rows are kept (BASERT_KV_Q8_0 reads such rows as stored, turning nothing back): each
  * block of 32 is turned by the Walsh-Hadamard transform H (entries +-1, basert_hadamard32) before it is quantized,
  * which spreads a few large values over the block and so shrinks the rounding of the others (llama.cpp rotates its
- * quantized KV alike). A query meets turned K rows as H q / 32 (exact
- * scaling): (H q / 32) . (H k) = q . k, as H H = 32 I; a segment's weighted sum of turned V rows is turned back,
- * H acc / 32, before it is folded with the others. */
+ * quantized KV alike). A query meets turned K rows as H q / 32 (exact scaling): (H q / 32) . (H k) = q . k, as
+ * H H = 32 I; a segment's weighted sum of turned V rows is turned back, H acc / 32, before it is folded with the
+ * others. */
 enum { BASERT_KV_F32 = 0, BASERT_KV_F16 = 1, BASERT_KV_BF16 = 2, BASERT_KV_Q8_0 = 3, BASERT_KV_Q8_0_H = 4 };
 #define BASERT_KV_Q8_VALUES 32
 #define BASERT_KV_Q8_BYTES 34
