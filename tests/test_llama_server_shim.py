@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import llama_server_shim  # noqa: E402
+import llama_server_shim
 
 
 def test_kv_types_context_shift_and_context_pass_through() -> None:
