@@ -378,7 +378,7 @@ def test_upload_on_a_full_disk_is_507_without_paths(smollm2_base: Path, tmp_path
 def test_sigterm_drains_running_requests_then_exits_zero(smollm2_base: Path, tmp_path: Path):
     proc = ServerProcess(smollm2_base, "--max-context", "512", "--drain-timeout", "300",
                          log_path=tmp_path / "server.log")
-    body = {**CHAT, "max_tokens": 24, "ignore_eos": True, "stream": True}
+    body = {**CHAT, "max_tokens": 64, "ignore_eos": True, "stream": True}
     chunks: list[str] = []
 
     def stream() -> None:
@@ -397,8 +397,8 @@ def test_sigterm_drains_running_requests_then_exits_zero(smollm2_base: Path, tmp
             refused = httpx.post(proc.url + "/v1/chat/completions", json=CHAT, timeout=10)
             error_envelope(refused, 503, "draining")
             assert "Retry-After" in refused.headers
-        except httpx.ConnectError:
-            pass  # the drain already finished and the listener is closed
+        except (httpx.ConnectError, httpx.RemoteProtocolError):
+            pass  # the drain already finished: the listener is closed, or closes as the connection comes in
         thread.join(60)
         assert [c for c in chunks if c][-1] == "data: [DONE]"
         finish = [json.loads(c[6:]) for c in chunks if c.startswith("data: {")][-1]["choices"][0]["finish_reason"]
