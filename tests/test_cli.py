@@ -120,6 +120,13 @@ def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
     assert result.returncode == 0, result.stderr
     tests = [line.split("|")[3].strip() for line in result.stdout.strip().splitlines()[2:]]
     assert tests == ["pp16", "tg4 x2", "pp16 @ d8", "tg4 x2 @ d8"]
+    # A q8_0 cache runs; a KV type that does not exist is one line and exit 1.
+    result = basert("bench", str(tiny_f32_bases["qwen3_5-tiny"]), "-p", "16", "-n", "4", "-r", "1", "-w", "0",
+                    "-ctk", "q8_0", "-ctv", "q8_0")
+    assert result.returncode == 0, result.stderr
+    result = basert("bench", str(tiny_f32_bases["qwen3_5-tiny"]), "-n", "4", "-r", "1", "-ctv", "q2_x")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "unknown KV cache type 'q2_x': use one of f32, f16, bf16, q8_0 (--cache-type-v)" in result.stderr
 
 
 # The default run refuses one spelling of each option (the aliases are parsed as one option: `-c` and

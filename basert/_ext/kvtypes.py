@@ -32,6 +32,11 @@ class KVType:
     def supports(self, head_dim: int) -> bool:
         return self.name != "q8_0" or head_dim % Q8_VALUES == 0
 
+    def require(self, head_dim: int) -> None:
+        """A ValueError unless rows of head_dim values can be stored as this type."""
+        if not self.supports(head_dim):
+            raise ValueError(f"{self.name} rows need a head dim that is a multiple of {Q8_VALUES}, not {head_dim}")
+
     def row_units(self, head_dim: int) -> int:
         """Elements of the storage dtype per row."""
         return head_dim // Q8_VALUES * Q8_BYTES if self.name == "q8_0" else head_dim
@@ -62,8 +67,7 @@ def kv_type_of(cache: np.ndarray, head_dim: int) -> KVType:
         raise ValueError(f"head dim {head_dim} is outside 1..{MAX_HEAD_DIM}")
     for kv in KV_TYPES.values():
         if cache.dtype == kv.storage:
-            if not kv.supports(head_dim):
-                raise ValueError(f"{kv.name} rows need a head dim that is a multiple of {Q8_VALUES}, not {head_dim}")
+            kv.require(head_dim)
             if cache.shape[-1] != kv.row_units(head_dim):
                 raise ValueError(f"a {kv.name} cache of head dim {head_dim} has rows of {kv.row_units(head_dim)} "
                                  f"elements, not {cache.shape[-1]}")

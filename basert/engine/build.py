@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from basert._ext.kvtypes import Q8_VALUES, KVType, kv_type
+from basert._ext.kvtypes import KVType, kv_type
 from basert.engine.drafts import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX
 from basert.engine.embeddings import POOLINGS
 from basert.engine.engine import Engine
@@ -114,11 +114,9 @@ def kv_types(options: EngineOptions, config: DecoderConfig) -> tuple[KVType, KVT
     for name, flag in ((options.cache_type_k, "--cache-type-k"), (options.cache_type_v, "--cache-type-v")):
         try:
             kind = kv_type(name)
+            kind.require(config.head_dim)
         except ValueError as exc:
             raise ModelOptionsError(f"{exc} ({flag})") from None
-        if not kind.supports(config.head_dim):
-            raise ModelOptionsError(f"{kind.name} KV rows ({flag}) need a head dim that is a multiple of {Q8_VALUES}; "
-                                    f"this model's is {config.head_dim}")
         types.append(kind)
     return types[0], types[1]
 

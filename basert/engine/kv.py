@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from basert._ext.kvtypes import Q8_VALUES, KVType
+from basert._ext.kvtypes import KVType
 from basert.errors import UnavailableError
 
 BLOCK_SIZE = 16
@@ -101,10 +101,8 @@ class KVCache:
     values stored as the K and the V type (basert._ext.kvtypes)."""
 
     def __init__(self, n_layers: int, n_blocks: int, n_kv_heads: int, head_dim: int, k_type: KVType, v_type: KVType):
-        for kind in (k_type, v_type):
-            if not kind.supports(head_dim):
-                raise ValueError(f"{kind.name} KV rows need a head dim that is a multiple of {Q8_VALUES}; "
-                                 f"this model's is {head_dim}")
+        k_type.require(head_dim)
+        v_type.require(head_dim)
         # Written once now, not lazily on first use: the pool's memory is taken at start, so a server that
         # cannot hold it fails before it serves, and its resident size does not creep up under load.
         self.k = [np.full((n_blocks, n_kv_heads, BLOCK_SIZE, k_type.row_units(head_dim)), 0, dtype=k_type.storage)
