@@ -33,6 +33,11 @@ def per_token(config, k: str = "f16", v: str = "f16") -> int:
     return config.kv_layers * config.num_key_value_heads * (row[k] + row[v])
 
 
+def per_window_token(config, k: str = "f16", v: str = "f16") -> int:
+    """KV bytes of one token in the sliding-window layers (Gemma 3: 15 of 18 layers)."""
+    return per_token(config, k, v) // config.kv_layers * config.window_layers
+
+
 def plan(config, available: int = 64 * GIB, **fields) -> tuple[int, int]:
     options = EngineOptions(**{"max_context": None, "continuous_batching": True, **fields}).resolved()
     options.check()
@@ -102,7 +107,8 @@ def test_an_engine_gets_what_was_planned(smollm2_base: Path, smollm2_config):
 @pytest.mark.parametrize(("k", "v"), [("f16", "f16"), ("q8_0", "q8_0"), ("bf16", "q8_0")])
 def test_the_planned_bytes_are_the_pool_bytes_on_every_family(tiny_f32_bases: dict[str, Path], gemma3_base: Path,
                                                               k: str, v: str):
-    """The plan counts a token's KV from the config (hybrids keep KV in their full-attention layers only) and the KV
+    """The plan counts a token's KV from the config (hybrids keep KV in their full-attention layers only; Gemma 3's
+    sliding-window layers have a pool of their own, here as many positions as the one slot's context) and the KV
     types; the engine allocates it from the built layers: the two agree for every family."""
     for name, path in {**tiny_f32_bases, "gemma3": gemma3_base}.items():
         with BaseFile(path) as base:
@@ -112,7 +118,7 @@ def test_the_planned_bytes_are_the_pool_bytes_on_every_family(tiny_f32_bases: di
         assert plan_context(options, config) == (256, 256)
         engine = build_engine(path, options)
         try:
-            assert engine.stats()["kv_bytes"] == 256 * per_token(config, k, v), name
+            assert engine.stats()["kv_bytes"] == 256 * (per_token(config, k, v) + per_window_token(config, k, v)), name
         finally:
             engine.close()
 

@@ -132,17 +132,17 @@ def test_graph_rejects_inconsistent_steps(smollm2_base: Path):
     tables = np.zeros((1, 4), dtype=np.int32)
     k, v = runner.kv.k, runner.kv.v
     with pytest.raises(ValueError, match="cover"):
-        graph.run(x, k, v, positions, one, np.array([1], dtype=np.int32), one, tables, one, logits, 1)
+        graph.run(x, k, v, positions, one, np.array([1], dtype=np.int32), one, tables, tables, one, logits, 1)
     with pytest.raises(ValueError, match="block table names"):
         graph.run(x, k, v, positions, one, np.array([2], dtype=np.int32), one,
-                  np.full((1, 4), runner.kv.n_blocks, dtype=np.int32), one, logits, 1)
+                  np.full((1, 4), runner.kv.n_blocks, dtype=np.int32), tables, one, logits, 1)
     with pytest.raises(ValueError, match="leaves the context"):
         graph.run(x, k, v, positions, one, np.array([2], dtype=np.int32), np.array([63], dtype=np.int32), tables,
-                  one, logits, 1)
+                  tables, one, logits, 1)
     with pytest.raises(ValueError, match="logit row"):
-        graph.run(x, k, v, positions, one, np.array([2], dtype=np.int32), one, tables,
+        graph.run(x, k, v, positions, one, np.array([2], dtype=np.int32), one, tables, tables,
                   np.array([2], dtype=np.int32), logits, 1)
     with pytest.raises(ValueError, match="x must be"):
         graph.run(np.zeros((MAX_GRAPH_TOKENS + 1, hidden), dtype=np.float32), k, v, positions, one, one, one,
-                  tables, one, logits, 1)
+                  tables, tables, one, logits, 1)
     runner.close()

@@ -120,7 +120,7 @@ def kv_write_batch(k_cache, v_cache, const float[:, :, ::1] k, const float[:, :,
         raise ValueError("k and v must have the same shape")
     if k_cache.shape[1] != n_kv:
         raise ValueError(f"k, v have {n_kv} kv heads per token, the cache has {k_cache.shape[1]}")
-    _check_items(tables, rows, lengths, starts, T, k_cache.shape[0], True)
+    _check_items(tables, rows, lengths, starts, T, k_cache.shape[0], True, 0)
     cdef char *kc = <char *> cnp.PyArray_DATA(k_cache)
     cdef char *vc = <char *> cnp.PyArray_DATA(v_cache)
     cdef Py_ssize_t k_bytes = basert_kv_row_bytes(k_type, d), v_bytes = basert_kv_row_bytes(v_type, d)
@@ -136,8 +136,10 @@ def kv_write_batch(k_cache, v_cache, const float[:, :, ::1] k, const float[:, :,
 
 
 cdef int _check_items(const int32_t[:, ::1] tables, const int32_t[::1] rows, const int32_t[::1] lengths,
-                      const int32_t[::1] starts, Py_ssize_t n_rows, Py_ssize_t n_blocks, bint writing) except -1:
-    """Checks each sequence's rows against the batch and its block table against the cache."""
+                      const int32_t[::1] starts, Py_ssize_t n_rows, Py_ssize_t n_blocks, bint writing,
+                      Py_ssize_t window) except -1:
+    """Checks each sequence's rows against the batch and its block table against the cache: the entries of the
+    positions written, or of every position read (from the first row's window on, with a sliding window)."""
     cdef Py_ssize_t n = tables.shape[0], s
     if rows.shape[0] != n or lengths.shape[0] != n or starts.shape[0] != n:
         raise ValueError("tables, rows, lengths and starts must describe the same sequences")
@@ -147,7 +149,8 @@ cdef int _check_items(const int32_t[:, ::1] tables, const int32_t[::1] rows, con
         if lengths[s] < 0 or rows[s] < 0 or rows[s] + lengths[s] > n_rows:
             raise ValueError(f"sequence {s} rows {rows[s]}..{rows[s] + lengths[s]} are outside the {n_rows} rows")
         if lengths[s]:
-            _check_blocks(tables[s], starts[s] + lengths[s], n_blocks, starts[s] if writing else 0)
+            _check_blocks(tables[s], starts[s] + lengths[s], n_blocks,
+                          starts[s] if writing else basert_attn_first(starts[s] + 1, window))
     return 0
 
 
@@ -275,9 +278,9 @@ def attention_batch(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[:,
         raise ValueError("out must have the shape of q")
     if n_kv == 0 or H % n_kv:
         raise ValueError(f"{H} query heads cannot share {n_kv} kv heads")
-    _check_items(tables, rows, lengths, starts, T, k_cache.shape[0], False)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: none), got {window}")
+    _check_items(tables, rows, lengths, starts, T, k_cache.shape[0], False, window)
     cdef Plan pl
     cdef Py_ssize_t n_seq = tables.shape[0], s, r, n_max = 0, n_tiles = 0, tile = 0
     pl.group = H // n_kv

@@ -89,6 +89,7 @@ typedef struct {
     /* The step */
     int T, n_items, n_logits, table_stride;
     const int32_t *positions, *item_rows, *item_lengths, *item_starts, *tables, *logit_rows;
+    const int32_t *window_tables;           /* the sliding-window layers' block tables (their own pool's blocks) */
 } bg_model;
 
 static inline float *bg_member_normed(const bg_model *m, int member) { return m->normed + (ptrdiff_t)member * m->max_tokens * m->dim; }
@@ -178,7 +179,7 @@ static void bg_finish_head(const bg_model *m, const bg_layer *l, int t, int part
         basert_rope_row(q, c, s, m->rope_half, m->interleaved);
         return;
     }
-    const int32_t *table = m->tables + (ptrdiff_t)item * m->table_stride;
+    const int32_t *table = (l->window ? m->window_tables : m->tables) + (ptrdiff_t)item * m->table_stride;
     if (part == 1) {
         float *k = m->k + (t * (ptrdiff_t)m->n_kv + head) * d;
         if (l->k_norm) basert_rmsnorm_row(k, l->k_norm, m->eps, k, d);
@@ -246,7 +247,7 @@ static void bg_unit_rows_of(const bg_model *m, int unit, int member, bg_unit_row
 static void bg_attention_segment(bg_model *m, const bg_layer *l, int unit, int j, int member) {
     const ptrdiff_t d = m->head_dim, block_rows = (ptrdiff_t)m->n_kv * BASERT_KV_BLOCK;
     const int item = unit / m->n_kv, g = unit % m->n_kv, n_segments = bg_unit_segments(m, unit);
-    const int32_t *table = m->tables + (ptrdiff_t)item * m->table_stride;
+    const int32_t *table = (l->window ? m->window_tables : m->tables) + (ptrdiff_t)item * m->table_stride;
     const ptrdiff_t k_offset = (ptrdiff_t)g * BASERT_KV_BLOCK * basert_kv_row_bytes(m->k_type, d);
     const ptrdiff_t v_offset = (ptrdiff_t)g * BASERT_KV_BLOCK * basert_kv_row_bytes(m->v_type, d);
     float *scores = m->scores + (ptrdiff_t)member * m->unit_rows * (BASERT_ATTN_SEGMENT + 8);

@@ -89,6 +89,7 @@ cdef extern from "graph.h" nogil:
         const int32_t *item_starts
         const int32_t *tables
         const int32_t *logit_rows
+        const int32_t *window_tables
     void bg_prologue(void *ctx, int phase, int member)
     void bg_chunk(void *ctx, int phase, int chunk, int member)
     int bg_plan_step(bg_model *m, int32_t *chunks)
@@ -132,7 +133,9 @@ cdef class DecodeGraph:
     cdef list member_buffers  # the current team's per-member buffers (replaced with the team)
     cdef object k_bound, v_bound
     cdef readonly int max_tokens
-    cdef readonly Py_ssize_t n_blocks
+    cdef readonly Py_ssize_t n_blocks, n_window_blocks
+    cdef bint has_global               # whether some layer sees every position
+    cdef readonly Py_ssize_t window    # the widest sliding window of the layers (0: none)
 
     def __cinit__(self):
         self.layers = NULL
@@ -160,6 +163,7 @@ cdef class DecodeGraph:
                 raise ValueError(f"layer {i}: negative sliding window")
             tables.append((cos, sin))
         self.keep = [layers, final_norm, head, tables]
+        self.window = max(layer.get("window", 0) for layer in layers)
         cdef Py_ssize_t dim = head.k, vocab = head.n, qdim = n_heads * head_dim, kvdim = n_kv * head_dim
         cdef Py_ssize_t ffn = layers[0]["wgate"].n
         self.layers = <bg_layer *> malloc(n_layers * sizeof(bg_layer))
@@ -258,20 +262,28 @@ cdef class DecodeGraph:
         if len(k_caches) != m.n_layers or len(v_caches) != m.n_layers:
             raise ValueError(f"{m.n_layers} layers need as many K and V caches")
         k_type, v_type = kv_type_of(k_caches[0], m.head_dim), kv_type_of(v_caches[0], m.head_dim)
+        # Layers that see every position share one block count, sliding-window layers (their own pool) another.
+        blocks = {}
         for caches in (k_caches, v_caches):
-            shape = caches[0].shape
-            if len(shape) != 4 or shape[1] != m.n_kv or shape[2] != BASERT_KV_BLOCK or shape[0] != k_caches[0].shape[0]:
-                raise ValueError(f"KV caches must be [n_blocks, {m.n_kv}, {BASERT_KV_BLOCK}, row] with as many blocks")
-            for cache in caches:
-                if (not isinstance(cache, np.ndarray) or cache.dtype != caches[0].dtype or cache.shape != shape
-                        or not cache.flags.c_contiguous or not cache.flags.writeable):
-                    raise ValueError("the K (and the V) caches must be writable C-contiguous arrays of one shape and type")
+            for i in range(m.n_layers):
+                cache, windowed = caches[i], self.layers[i].window > 0
+                if (not isinstance(cache, np.ndarray) or cache.ndim != 4 or cache.shape[1] != m.n_kv
+                        or cache.shape[2] != BASERT_KV_BLOCK or cache.dtype != caches[0].dtype
+                        or cache.shape[3] != caches[0].shape[3] or not cache.flags.c_contiguous
+                        or not cache.flags.writeable):
+                    raise ValueError(f"the K (and the V) caches must be writable C-contiguous arrays "
+                                     f"[n_blocks, {m.n_kv}, {BASERT_KV_BLOCK}, row] of one type")
+                if blocks.setdefault(windowed, cache.shape[0]) != cache.shape[0]:
+                    raise ValueError("the caches of the layers that see every position (and those of the "
+                                     "sliding-window layers) must have as many blocks")
         for i in range(m.n_layers):
             self.layers[i].k_cache = <char *> cnp.PyArray_DATA(k_caches[i])
             self.layers[i].v_cache = <char *> cnp.PyArray_DATA(v_caches[i])
         m.k_type, m.v_type = k_type.code, v_type.code
         self.k_bound, self.v_bound = k_caches, v_caches
-        self.n_blocks = k_caches[0].shape[0]
+        self.has_global = False in blocks
+        self.n_blocks = blocks.get(False, 0)
+        self.n_window_blocks = blocks.get(True, 0)
         return 0
 
     def team_stats(self, bint reset=False):
@@ -290,17 +302,20 @@ cdef class DecodeGraph:
 
     def run(self, float[:, ::1] x, list k_caches, list v_caches, const int32_t[::1] positions,
             const int32_t[::1] rows, const int32_t[::1] lengths, const int32_t[::1] starts,
-            const int32_t[:, ::1] tables, const int32_t[::1] logit_rows, float[:, ::1] logits, int n_threads):
+            const int32_t[:, ::1] tables, const int32_t[:, ::1] window_tables, const int32_t[::1] logit_rows,
+            float[:, ::1] logits, int n_threads):
         """Run every layer over the T new tokens whose embeddings are in x [T, D] (x ends as the last
         residual stream), writing their K/V into the caches, and the head over x's logit_rows into
         logits [len(logit_rows), vocab]. Item i is rows rows[i] .. +lengths[i] of x, at positions
-        starts[i] .. of the sequence whose block table is tables[i]."""
+        starts[i] .. of the sequence whose block table is tables[i] (window_tables[i] for the sliding-window
+        layers, whose entries before the window may be -1)."""
         cdef bg_model *m = &self.m
         cdef Py_ssize_t T = x.shape[0], n_items = rows.shape[0], i, b, n_blocks
         if T <= 0 or T > m.max_tokens or x.shape[1] != m.dim:
             raise ValueError(f"x must be [1..{m.max_tokens}, {m.dim}], got [{T}, {x.shape[1]}]")
         if positions.shape[0] != T or lengths.shape[0] != n_items or starts.shape[0] != n_items \
-                or tables.shape[0] != n_items:
+                or tables.shape[0] != n_items or window_tables.shape[0] != n_items \
+                or window_tables.shape[1] != tables.shape[1]:
             raise ValueError("positions, rows, lengths, starts and tables disagree")
         if logits.shape[0] != logit_rows.shape[0] or logits.shape[1] != m.vocab:
             raise ValueError(f"logits must be [{logit_rows.shape[0]}, {m.vocab}]")
@@ -317,9 +332,14 @@ cdef class DecodeGraph:
             n_blocks = (starts[i] + lengths[i] + BASERT_KV_BLOCK - 1) // BASERT_KV_BLOCK
             if n_blocks > tables.shape[1]:
                 raise ValueError(f"item {i}'s block table is too short")
-            for b in range(n_blocks):
-                if tables[i, b] < 0 or tables[i, b] >= self.n_blocks:
-                    raise ValueError(f"item {i}'s block table names block {tables[i, b]}")
+            if self.has_global:
+                for b in range(n_blocks):
+                    if tables[i, b] < 0 or tables[i, b] >= self.n_blocks:
+                        raise ValueError(f"item {i}'s block table names block {tables[i, b]}")
+            if self.window:
+                for b in range(max(0, starts[i] + 1 - self.window) // BASERT_KV_BLOCK, n_blocks):
+                    if window_tables[i, b] < 0 or window_tables[i, b] >= self.n_window_blocks:
+                        raise ValueError(f"item {i}'s window block table names block {window_tables[i, b]}")
         if covered != T:
             raise ValueError("items must cover the rows of x")
         for i in range(logit_rows.shape[0]):
@@ -332,6 +352,7 @@ cdef class DecodeGraph:
         m.positions = &positions[0]
         m.item_rows, m.item_lengths, m.item_starts = &rows[0], &lengths[0], &starts[0]
         m.tables = &tables[0, 0]
+        m.window_tables = &window_tables[0, 0]
         m.logit_rows = &logit_rows[0] if logit_rows.shape[0] else NULL
         m.logits = &logits[0, 0] if logits.shape[0] else NULL
         cdef int n_phases = bg_plan_step(m, self.chunks)

@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", type=memory_size, default=None, metavar="SIZE",
                    help="memory the KV pool may take, e.g. 4GiB or 512MiB (default: a quarter of the memory "
                    "available at start); a default pool that does not fit shrinks (the slots share it), a pool or "
-                   "context asked for that does not fit is refused")
+                   "context asked for that does not fit is refused. Sliding-window layers (Gemma 3's local "
+                   "layers) keep each slot's last window only, in a small pool of their own counted here too")
     p.add_argument("--max-tokens", type=int, default=2048, help="default max_tokens (default 2048)")
     p.add_argument("--threads", "-t", type=int, help="engine threads (default: one per physical core)")
     p.add_argument("--exact", action="store_true",
@@ -273,8 +274,10 @@ def load_model(path: Path, args: argparse.Namespace):
                        max_queued=args.max_queued, queue_timeout=args.queue_timeout)
     info = engine.info
     stats = engine.stats()
-    log.info("%s: %d slot(s), KV %s: %d blocks of 16 tokens (%.1f MiB)%s%s", info.id, info.n_slots,
-             "paged" if info.has("paged_kv") else "reserved per slot", stats["kv_blocks_total"],
+    window = (f" + {stats['kv_window_blocks_total']} blocks for the sliding-window layers' windows"
+              if stats["kv_window_blocks_total"] else "")
+    log.info("%s: %d slot(s), KV %s: %d blocks of 16 tokens%s (%.1f MiB)%s%s", info.id, info.n_slots,
+             "paged" if info.has("paged_kv") else "reserved per slot", stats["kv_blocks_total"], window,
              stats["kv_bytes"] / 2**20,
              ", continuous batching" if info.has("continuous_batching") else "",
              ", prefix cache" if info.has("prefix_cache") else "")

@@ -17,7 +17,7 @@ from basert.engine.drafts import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX
 from basert.engine.embeddings import POOLINGS
 from basert.engine.engine import Engine
 from basert.engine.info import ModelInfo
-from basert.engine.kv import BLOCK_SIZE, blocks_for
+from basert.engine.kv import BLOCK_SIZE, blocks_for, window_pool_blocks
 from basert.engine.prefix_cache import PrefixCache
 from basert.engine.runner import ModelRunner
 from basert.engine.saved_state import adopt_prefix_cache_file, prefix_cache_file
@@ -143,11 +143,13 @@ def plan_context(options: EngineOptions, config: DecoderConfig, available: int |
     ContextSizeError, and so is a context beyond the trained one; a default pool shrinks to what fits, shared by
     paged slots (a default context no larger than it) or split between slots that reserve their context."""
     k_type, v_type = kv_types(options, config)
-    per_token = config.kv_layers * config.num_key_value_heads * (k_type.row_bytes(config.head_dim)
-                                                                 + v_type.row_bytes(config.head_dim))
+    row_bytes = config.num_key_value_heads * (k_type.row_bytes(config.head_dim) + v_type.row_bytes(config.head_dim))
+    per_token = config.kv_layers * row_bytes
     trained = config.trained_context
     asked = options.max_context or (options.context_total // options.n_slots if options.context_total else None)
     max_context = asked or trained or DEFAULT_CONTEXT
+    window_bytes = config.window_layers * row_bytes * BLOCK_SIZE * window_pool_blocks(
+        config.window, options.n_slots, options.token_budget, max_context)
     if trained and max_context > trained and options.within_trained:
         flag = ("-c/--ctx-size" if options.max_context == options.context_total else
                 "--max-context" if options.max_context else "-c/--ctx-size over the slots")
@@ -159,7 +161,8 @@ def plan_context(options: EngineOptions, config: DecoderConfig, available: int |
         max_context = min(max_context, pool)
     if available is None:
         available = available_memory()
-    budget = options.kv_memory or int(available * KV_MEMORY_SHARE)
+    # The sliding-window layers' pool has a fixed size; the rest of the budget holds the other layers' KV.
+    budget = (options.kv_memory or int(available * KV_MEMORY_SHARE)) - window_bytes
     where = (f"the --kv-memory budget of {budget / GIB:.2f} GiB" if options.kv_memory else
              f"{KV_MEMORY_SHARE:.0%} of the {available / GIB:.1f} GiB of memory available (--kv-memory)")
     fits = budget // max(per_token, 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -195,7 +198,10 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
     options = replace(options, max_context=max_context)
     kv_blocks = blocks_for(pool) if options.paged_kv else None
     runner = ModelRunner(path, max_context=options.max_context, threads=options.threads,
-                         max_sequences=options.n_slots, kv_blocks=kv_blocks, cache_type_k=options.cache_type_k,
+                         max_sequences=options.n_slots, kv_blocks=kv_blocks,
+                         window_kv_blocks=window_pool_blocks(config.window, options.n_slots, options.token_budget,
+                                                             options.max_context),
+                         cache_type_k=options.cache_type_k,
                          cache_type_v=options.cache_type_v,
                          verify_checksums=options.verify_checksums, exact=options.exact)
     try:
@@ -208,7 +214,8 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
             block_nbytes = runner.kv.block_nbytes
             snapshot_cost = -(-runner.recurrent_state_nbytes // block_nbytes) if block_nbytes else 1
             prefix_cache = PrefixCache(runner.pool, runner.fingerprint, recurrent=runner.n_linear_layers > 0,
-                                       snapshot_cost_blocks=snapshot_cost)
+                                       snapshot_cost_blocks=snapshot_cost, window_pool=runner.window_pool,
+                                       window=runner.window)
         features = {name for name, on in (("continuous_batching", options.continuous_batching),
                                           ("paged_kv", options.paged_kv),
                                           ("prefix_cache", options.prefix_cache),

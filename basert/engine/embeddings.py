@@ -62,7 +62,8 @@ def input_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
 def hidden_states(runner: ModelRunner, token_lists: Sequence[Sequence[int]], token_budget: int) -> list[np.ndarray]:
     """The final norm's output at every position of each token list run as a fresh sequence, [n_i, hidden]
     float32; the forwards feed at most token_budget tokens each."""
-    space = runner.scratch_space(sum(blocks_for(len(tokens)) for tokens in token_lists))
+    space = runner.scratch_space(sum(blocks_for(len(tokens)) for tokens in token_lists),
+                                 sum(runner.window_blocks_for(len(tokens), token_budget) for tokens in token_lists))
     sequences = [runner.new_sequence() for _ in token_lists]
     states = [np.empty((len(tokens), runner.hidden_size), dtype=np.float32) for tokens in token_lists]
     try:
@@ -81,7 +82,7 @@ def hidden_states(runner: ModelRunner, token_lists: Sequence[Sequence[int]], tok
                 states[i][start: start + take] = rows
     finally:
         for sequence in sequences:
-            sequence.reset(space.pool)
+            sequence.reset(space.pool, space.window_pool)
 
 
 def pooled(states: np.ndarray, pooling: str) -> np.ndarray:

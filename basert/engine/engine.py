@@ -431,8 +431,15 @@ class Engine:
         if not tokens:
             raise ValueError("the prompt is empty")
         reused = self.slots.reuse_prefix(slot, tokens)
+        rest = tokens[reused:]
         try:
-            logits = self.runner.forward([ForwardRequest(slot.sequence, tokens[reused:])])[0][0].copy()
+            # Fed a token budget at a time, as a step would (the same bits: a position's KV and logits do not
+            # depend on the chunk it is computed in), so that the window layers' pool holds the chunks.
+            for start in range(0, len(rest), self.token_budget):
+                chunk = rest[start: start + self.token_budget]
+                wanted = "last" if start + len(chunk) == len(rest) else "none"
+                results = self.runner.forward([ForwardRequest(slot.sequence, chunk, wanted)])
+            logits = results[0][0].copy()
         except Exception:
             self.slots.forget(slot)
             raise
@@ -497,8 +504,10 @@ class Engine:
         return save_prefix_cache(self.runner, self.prefix_cache, self.prefix_cache_file)
 
     def stats(self) -> dict:
-        pool = self.runner.pool
+        pool, window_pool = self.runner.pool, self.runner.window_pool
         return {"busy_slots": self.n_running, "kv_blocks_total": pool.n_blocks, "kv_blocks_used": pool.n_used,
+                "kv_window_blocks_total": window_pool.n_blocks if window_pool is not None else 0,
+                "kv_window_blocks_used": window_pool.n_used if window_pool is not None else 0,
                 "kv_bytes": self.runner.kv.nbytes,
                 "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None}
 

@@ -17,7 +17,17 @@ import xxhash
 
 from basert._ext import matmul as mm
 from basert._ext.kvtypes import kv_type
-from basert.engine.kv import BLOCK_SIZE, BlockPool, BlockTable, KVCache, KVSpace, blocks_for
+from basert.engine.kv import (
+    BLOCK_SIZE,
+    WINDOW_SLACK,
+    BlockPool,
+    BlockTable,
+    KVCache,
+    KVSpace,
+    blocks_for,
+    window_blocks,
+    window_start,
+)
 from basert.engine.sequence import RECURRENT_DTYPE, RecurrentState, SequenceState
 from basert.errors import InvalidRequestError
 from basert.format import BaseFile
@@ -94,6 +104,8 @@ class ModelRunner:
         cache_type_k: str = "f32",
         cache_type_v: str = "f32",
         kv_blocks: int | None = None,
+        window_kv_blocks: int | None = None,
+        window_slack: int = WINDOW_SLACK,
         threads: int | None = None,
         verify_checksums: bool = True,
         exact: bool | None = None,
@@ -101,7 +113,11 @@ class ModelRunner:
         """Open and validate the model; raises ModelValidationError (one line) for a file that cannot serve:
         malformed, a header that contradicts its tensors, or (with verify_checksums) a corrupted payload.
         exact: quantized weights take the exact float32 path instead of 16-bit activations and integer dot products
-        (None: the process default, BASERT_EXACT or `--exact`)."""
+        (None: the process default, BASERT_EXACT or `--exact`).
+        kv_blocks: blocks of the KV pool (default: a full context per sequence); window_kv_blocks: blocks of the
+        sliding-window layers' pool, for models that have such layers (default: enough for max_sequences
+        sequences that feed a whole context in one forward); window_slack: the positions before a window whose
+        window-layer KV a sequence keeps (max_context: all of them)."""
         self.exact = mm.get_exact() if exact is None else exact
         self.base = BaseFile(path, verify_checksums=verify_checksums)
         default = mm.get_exact()
@@ -124,8 +140,16 @@ class ModelRunner:
         self.n_linear_layers = self.model.n_linear_layers
         self.max_blocks_per_sequence = blocks_for(max_context)
         n_blocks = kv_blocks if kv_blocks is not None else max_sequences * self.max_blocks_per_sequence
+        windows = self.model.kv_windows
+        self.window = max(windows, default=0)   # the widest sliding window (0: every layer sees every position)
+        self.window_slack = window_slack
+        n_window_blocks = 0
+        if self.window:
+            n_window_blocks = window_kv_blocks if window_kv_blocks is not None else max_sequences * min(
+                self.max_blocks_per_sequence, window_blocks(self.window, max_context))
         self.pool = BlockPool(n_blocks)
-        self.kv = KVCache(self.n_attention_layers, n_blocks, self.config.num_key_value_heads,
+        self.window_pool = BlockPool(n_window_blocks) if self.window else None
+        self.kv = KVCache(windows, n_blocks, n_window_blocks, self.config.num_key_value_heads,
                           self.config.head_dim, kv_type(cache_type_k), kv_type(cache_type_v))
         self.workspace = Workspace()
 
@@ -163,7 +187,14 @@ class ModelRunner:
         """An empty sequence with its own block table and (for hybrids) recurrent state."""
         shapes = self.recurrent_shapes
         recurrent = RecurrentState.zeros(*shapes) if shapes is not None else None
-        return SequenceState(BlockTable(self.max_blocks_per_sequence), recurrent, [])
+        window_table = BlockTable(self.max_blocks_per_sequence) if self.window else None
+        return SequenceState(BlockTable(self.max_blocks_per_sequence), recurrent, [], window_table=window_table)
+
+    def resumable(self, sequence: SequenceState, n_tokens: int) -> bool:
+        """Whether the sequence still holds the KV that continuing after its first n_tokens reads: its window
+        layers' blocks from the window of position n_tokens on (the others keep every position)."""
+        table = sequence.window_table
+        return n_tokens <= sequence.n_past and (table is None or table.first <= window_start(n_tokens, self.window))
 
     def rewind(self, sequence: SequenceState, n_tokens: int) -> None:
         """Keep only the first n_tokens of a sequence (attention-only models: KV can be truncated)."""
@@ -172,46 +203,65 @@ class ModelRunner:
         self.truncate_kv(sequence, n_tokens)
 
     def truncate_kv(self, sequence: SequenceState, n_tokens: int) -> None:
-        """Keep the KV and tokens of the first n_tokens positions (the recurrent state is the caller's).
+        """Keep the KV and tokens of the first n_tokens positions (the recurrent state is the caller's); a
+        ValueError when the sequence cannot continue from there (see `resumable`).
 
         The block that will be written next must be the sequence's own: a shared or cached one is copied.
         """
-        table = sequence.block_table
-        table.truncate(n_tokens, self.pool)
+        if not self.resumable(sequence, n_tokens):
+            raise ValueError(f"the sequence no longer holds the sliding-window KV before position {n_tokens}")
         del sequence.tokens[n_tokens:]
         del sequence.block_keys[n_tokens // BLOCK_SIZE:]
-        if n_tokens % BLOCK_SIZE:
-            last = int(table.ids[table.n_blocks - 1])
-            if self.pool.is_shared(last):
-                private = self.pool.allocate()
-                self.kv.copy_block(last, private)
-                table.ids[table.n_blocks - 1] = private
-                self.pool.release(last)
+        tables = [(sequence.block_table, self.pool, False)]
+        if sequence.window_table is not None:
+            tables.append((sequence.window_table, self.window_pool, True))
+        for table, pool, windowed in tables:
+            table.truncate(n_tokens, pool)
+            if n_tokens % BLOCK_SIZE:
+                last = int(table.ids[table.n_blocks - 1])
+                if pool.is_shared(last):
+                    private = pool.allocate()
+                    self.kv.copy_block(last, private, windowed=windowed)
+                    table.ids[table.n_blocks - 1] = private
+                    pool.release(last)
 
     def release(self, sequence: SequenceState) -> None:
         """Return a sequence's blocks to the pool and clear its state."""
-        sequence.reset(self.pool)
+        sequence.reset(self.pool, self.window_pool)
 
-    def scratch_space(self, n_blocks: int) -> KVSpace:
-        """Where scratch sequences of n_blocks blocks in all may keep their KV without disturbing anyone: the
-        shared pool when its free list holds them (never an evicted cached block, never an idle slot's
-        history), else a private pool of exactly n_blocks, dropped with the space."""
-        if self.pool.n_free >= n_blocks:
-            return KVSpace(self.pool, self.kv)
-        return KVSpace(BlockPool(n_blocks), KVCache(self.n_attention_layers, n_blocks,
-                                                     self.config.num_key_value_heads, self.config.head_dim,
-                                                     self.kv.k_type, self.kv.v_type))
+    def space(self) -> KVSpace:
+        """The shared pools and KV tensors."""
+        return KVSpace(self.pool, self.window_pool, self.kv)
+
+    def scratch_space(self, n_blocks: int, n_window_blocks: int = 0) -> KVSpace:
+        """Where scratch sequences of n_blocks blocks in all (and n_window_blocks of the window pool) may keep
+        their KV without disturbing anyone: the shared pools when their free lists hold them (never an evicted
+        cached block, never an idle slot's history), else private pools of exactly that many, dropped with the
+        space."""
+        window_free = self.window_pool.n_free if self.window_pool is not None else 0
+        if self.pool.n_free >= n_blocks and window_free >= n_window_blocks:
+            return self.space()
+        n_window_blocks = n_window_blocks if self.window else 0
+        return KVSpace(BlockPool(n_blocks), BlockPool(n_window_blocks) if self.window else None,
+                       KVCache(self.kv.windows, n_blocks, n_window_blocks, self.config.num_key_value_heads,
+                               self.config.head_dim, self.kv.k_type, self.kv.v_type))
+
+    def window_blocks_for(self, n_tokens: int, chunk: int) -> int:
+        """Window-pool blocks a sequence of n_tokens fed in chunks of at most `chunk` tokens holds at most."""
+        return min(blocks_for(n_tokens), window_blocks(self.window, chunk)) if self.window else 0
 
     def forward(self, requests: list[ForwardRequest], *, hidden: bool = False,
                 space: KVSpace | None = None) -> list[np.ndarray | None]:
         """Append each request's tokens to its sequence; logits [n, vocab] per request as asked, or with
         `hidden` the final norm's output [n, hidden] at those positions (the last hidden states).
 
-        The sequences' blocks come from `space` (default: the shared pool). The results are views of a
-        scratch array, valid until the next forward: copy what you keep. On an exception the sequences in
-        this call are left inconsistent: reset them.
+        The sequences' blocks come from `space` (default: the shared pools). A sequence's window table first
+        lets go of the blocks before what its next window reads (less window_slack positions). The results are
+        views of a scratch array, valid until the next forward: copy what you keep. On an exception the
+        sequences in this call are left inconsistent: reset them.
         """
-        pool, kv = (space.pool, space.cache) if space is not None else (self.pool, self.kv)
+        space = space or self.space()
+        pool, window_pool, kv = space.pool, space.window_pool, space.cache
         if mm.get_num_threads() != self.threads:
             # OpenMP's thread count is per calling thread: the server steps in a worker thread.
             mm.set_num_threads(self.threads)
@@ -238,6 +288,9 @@ class ModelRunner:
         lengths = ws.get("batch.lengths", n_items, dtype=np.int32)
         starts = ws.get("batch.starts", n_items, dtype=np.int32)
         tables = ws.get("batch.tables", n_items, self.max_blocks_per_sequence, dtype=np.int32)
+        window_tables = tables
+        if self.window:
+            window_tables = ws.get("batch.window_tables", n_items, self.max_blocks_per_sequence, dtype=np.int32)
         items = []
         row = 0
         picked = 0
@@ -245,9 +298,15 @@ class ModelRunner:
             seq = request.sequence
             n_new = len(request.tokens)
             end = seq.n_past + n_new
-            if seq.n_past % BLOCK_SIZE and pool.is_shared(int(seq.block_table.ids[seq.n_past // BLOCK_SIZE])):
-                raise RuntimeError("a sequence would write into a shared KV block")
-            seq.block_table.ensure(end, pool)
+            own = [(seq.block_table, pool)]
+            if self.window:
+                seq.window_table.release_before(window_start(max(0, seq.n_past - self.window_slack), self.window),
+                                                window_pool)
+                own.append((seq.window_table, window_pool))
+            for table, table_pool in own:
+                if seq.n_past % BLOCK_SIZE and table_pool.is_shared(int(table.ids[seq.n_past // BLOCK_SIZE])):
+                    raise RuntimeError("a sequence would write into a shared KV block")
+                table.ensure(end, table_pool)
             recurrent = seq.recurrent
             items.append(BatchItem(row, n_new, seq.n_past, seq.block_table.view(),
                                    recurrent.conv if recurrent else None,
@@ -266,8 +325,10 @@ class ModelRunner:
                 picked += n_new
             rows[i], lengths[i], starts[i] = row, n_new, seq.n_past
             tables[i, : seq.block_table.n_blocks] = seq.block_table.view()
+            if self.window:
+                window_tables[i, : seq.window_table.n_blocks] = seq.window_table.view()
             row += n_new
-        batch = Batch(items, tokens, positions, rows, lengths, starts, tables)
+        batch = Batch(items, tokens, positions, rows, lengths, starts, tables, window_tables)
         rows_out = self.model.forward(batch, kv, self.workspace, logit_rows, head=not hidden)
         results: list[np.ndarray | None] = []
         used = 0

@@ -10,16 +10,21 @@ only into a model of the same layout, and only once every length in it has been 
 file's size: a refused file changes nothing.
 
 Slot snapshot, magic `BSLT`, version 2: one slot's tokens, the KV of its used positions and its
-recurrent states. Header: the layout, arch, n_tokens, and checkpoints (the token counts of the slot's
-checkpoints, ascending; hybrids only). Payload: int32 tokens[n_tokens]; per attention layer K then V as
-[n_tokens, n_kv_heads, row] rows as the cache stores them (their KV type's storage); then (hybrids) the float32
-conv and ssm states of the slot, then the conv and ssm states of each checkpoint in order.
+recurrent states. Header: the layout, arch, n_tokens, window_start (the first position whose KV the
+sliding-window layers' rows hold, a multiple of the block size; a model without such layers writes none: 0),
+and checkpoints (the token counts of the slot's checkpoints, ascending; hybrids only). Payload: int32
+tokens[n_tokens]; per attention layer K then V as [n, n_kv_heads, row] rows as the cache stores them (their KV
+type's storage), n = n_tokens, or n_tokens - window_start for a sliding-window layer (its window is all that a
+continuation reads); then (hybrids) the float32 conv and ssm states of the slot, then the conv and ssm states
+of each checkpoint in order.
 
 Prefix cache file, magic `BPXC`, version 1: one model's cached blocks and hybrid snapshots, beside the
-configured path as `PATH.<model id with "/" replaced by "--">`. Header: block_size, the layout, n_blocks
-and n_snapshots. Payload: u64 keys[n_blocks], u64 parents[n_blocks], int32 tokens[n_blocks, block_size];
-per attention layer K then V as [n_blocks, n_kv_heads, block_size, row] (rows as stored); then u64
-snapshot_keys[n_snapshots], float32 conv[n_snapshots, ...] and float32 ssm[n_snapshots, ...]. A load
+configured path as `PATH.<model id with "/" replaced by "--">`. Header: block_size, the layout, n_blocks,
+n_window_blocks (a model without sliding-window layers writes none: 0) and n_snapshots. Payload: u64
+keys[n_blocks], u64 parents[n_blocks], int32 tokens[n_blocks, block_size]; int32 window_entries[n_window_blocks]
+(the blocks, by index, whose sliding-window layers' KV is cached too); per attention layer K then V as
+[n, n_kv_heads, block_size, row] (rows as stored), n = n_blocks, or n_window_blocks for a sliding-window layer;
+then u64 snapshot_keys[n_snapshots], float32 conv[n_snapshots, ...] and float32 ssm[n_snapshots, ...]. A load
 first removes the temp files of killed saves and checks every block against its key.
 """
 
@@ -31,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from basert._ext.kvtypes import KVType
-from basert.engine.kv import BLOCK_SIZE, blocks_for
+from basert.engine.kv import BLOCK_SIZE, NO_BLOCK, blocks_for, window_start
 from basert.engine.prefix_cache import PrefixCache
 from basert.engine.runner import ModelRunner
 from basert.engine.sequence import RECURRENT_DTYPE, RecurrentState
@@ -88,13 +93,15 @@ class StateLayout:
     head_dim: int
     conv_shape: tuple[int, ...] | None
     ssm_shape: tuple[int, ...] | None
+    windowed: tuple[bool, ...]          # per attention layer: a sliding-window layer (the model's, not in headers)
 
     @classmethod
     def of(cls, runner: ModelRunner) -> StateLayout:
         """The layout of the state this runner computes."""
         conv_shape, ssm_shape = runner.recurrent_shapes or (None, None)
         return cls(runner.fingerprint, runner.kv.k_type, runner.kv.v_type, runner.n_attention_layers,
-                   runner.config.num_key_value_heads, runner.config.head_dim, conv_shape, ssm_shape)
+                   runner.config.num_key_value_heads, runner.config.head_dim, conv_shape, ssm_shape,
+                   tuple(window > 0 for window in runner.kv.windows))
 
     def as_header(self) -> dict:
         """The layout as JSON header fields."""
@@ -124,17 +131,21 @@ class StateLayout:
             if header.get(key) != value:
                 raise error_type(f"{name} {key} {header.get(key)!r} does not match this server's {value!r}")
 
-    @property
-    def kv_nbytes_per_token(self) -> int:
-        """Bytes of one position's K and V over all attention layers."""
-        return self.n_attention_layers * self.n_kv_heads * (self.k_type.row_bytes(self.head_dim)
-                                                            + self.v_type.row_bytes(self.head_dim))
+    def kv_nbytes(self, n: int, n_window: int) -> int:
+        """Bytes of K and V rows over all attention layers: n positions' in each layer that sees every position,
+        n_window positions' in each sliding-window layer."""
+        row = self.n_kv_heads * (self.k_type.row_bytes(self.head_dim) + self.v_type.row_bytes(self.head_dim))
+        return row * sum(n_window if windowed else n for windowed in self.windowed)
 
-    def take_kv(self, payload: _Reader, *shape: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each attention layer's K and V from the payload, `shape` ending at the row of each type."""
+    def take_kv(self, payload: _Reader, n: int, n_window: int, *shape: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each attention layer's K and V from the payload, [n (n_window in a sliding-window layer), *shape, row]."""
         k_row, v_row = self.k_type.row_units(self.head_dim), self.v_type.row_units(self.head_dim)
-        return [(payload.take(self.k_type.storage, (*shape, k_row)), payload.take(self.v_type.storage, (*shape, v_row)))
-                for _ in range(self.n_attention_layers)]
+        taken = []
+        for windowed in self.windowed:
+            rows = n_window if windowed else n
+            taken.append((payload.take(self.k_type.storage, (rows, *shape, k_row)),
+                          payload.take(self.v_type.storage, (rows, *shape, v_row))))
+        return taken
 
 
 @dataclass(slots=True)
@@ -181,35 +192,47 @@ def _open_checked(kind: _FileKind, layout: StateLayout, data: bytes,
 
 # --- slot snapshots -------------------------------------------------------------------------------------
 
-def _kv_positions(cache: np.ndarray, blocks: np.ndarray, n: int) -> np.ndarray:
-    """[n, n_kv_heads, row] rows of positions 0..n-1 gathered through a block table."""
-    gathered = cache[blocks]                          # [nb, H, 16, d]
-    return gathered.transpose(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:n]
+def _kv_positions(cache: np.ndarray, blocks: np.ndarray, start: int, n: int) -> np.ndarray:
+    """[n - start, n_kv_heads, row] rows of positions start..n-1 (start a multiple of the block size) gathered
+    through a block table."""
+    gathered = cache[blocks[start // BLOCK_SIZE: blocks_for(n)]]     # [nb, H, 16, d]
+    return gathered.transpose(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[: n - start]
 
 
-def _put_kv_positions(cache: np.ndarray, blocks: np.ndarray, values: np.ndarray) -> None:
-    """Write [n, n_kv_heads, row] rows to positions 0..n-1 through a block table (the rest of the last block is
-    zeroed)."""
+def _put_kv_positions(cache: np.ndarray, blocks: np.ndarray, start: int, values: np.ndarray) -> None:
+    """Write [n, n_kv_heads, row] rows to positions start..start+n-1 (start a multiple of the block size) through
+    a block table (the rest of the last block is zeroed)."""
     n, n_heads, row = values.shape
+    blocks = blocks[start // BLOCK_SIZE: blocks_for(start + n)]
     padded = np.zeros((len(blocks) * BLOCK_SIZE, n_heads, row), dtype=cache.dtype)
     padded[:n] = values
     cache[blocks] = padded.reshape(len(blocks), BLOCK_SIZE, n_heads, row).transpose(0, 2, 1, 3)
+
+
+def _layer_tables(runner: ModelRunner, seq, window_from: int) -> list[tuple[np.ndarray, int]]:
+    """Per attention layer, the block table its rows go through and the first position it keeps."""
+    tables = []
+    for window in runner.kv.windows:
+        tables.append((seq.window_table.view(), window_from) if window else (seq.block_table.view(), 0))
+    return tables
 
 
 def save_slot(runner: ModelRunner, slot: Slot, path: Path) -> SnapshotInfo:
     """Write the slot's history to `path` atomically; returns what was written. A disk error raises StorageError."""
     seq = slot.sequence
     n = seq.n_past
-    blocks = seq.block_table.view()
+    window_from = window_start(n, runner.window) * BLOCK_SIZE if runner.window else 0
     states = [seq.recurrent, *(c.state for c in slot.checkpoints)] if seq.recurrent is not None else []
     header = {**StateLayout.of(runner).as_header(), "arch": runner.arch, "n_tokens": n,
               "checkpoints": [c.n_tokens for c in slot.checkpoints] if states else []}
+    if runner.window:
+        header["window_start"] = window_from
     with storage_errors("slot save"), atomic_file(path) as out:
         write_frame(out, SLOT_SNAPSHOT.magic, SLOT_SNAPSHOT.version, header)
         out.write(np.asarray(seq.tokens, dtype=TOKEN_DTYPE).tobytes())
-        for layer in range(runner.n_attention_layers):
-            out.write(np.ascontiguousarray(_kv_positions(runner.kv.k[layer], blocks, n)).tobytes())
-            out.write(np.ascontiguousarray(_kv_positions(runner.kv.v[layer], blocks, n)).tobytes())
+        for layer, (blocks, start) in enumerate(_layer_tables(runner, seq, window_from)):
+            out.write(np.ascontiguousarray(_kv_positions(runner.kv.k[layer], blocks, start, n)).tobytes())
+            out.write(np.ascontiguousarray(_kv_positions(runner.kv.v[layer], blocks, start, n)).tobytes())
         for state in states:
             out.write(state.conv.tobytes())
             out.write(state.ssm.tobytes())
@@ -231,10 +254,14 @@ def restore_slot(runner: ModelRunner, slots: Slots, slot: Slot, path: Path) -> S
     if not isinstance(checkpoints, list) or not all(isinstance(c, int) and 0 <= c <= n for c in checkpoints) \
             or (checkpoints and layout.conv_shape is None) or len(checkpoints) > MAX_SLOT_CHECKPOINTS:
         raise SnapshotError("slot snapshot checkpoint positions are invalid")
+    saved_from = header.get("window_start", 0)
+    if not isinstance(saved_from, int) or not 0 <= saved_from <= n or saved_from % BLOCK_SIZE:
+        raise SnapshotError("slot snapshot window_start is invalid")
     n_states = 1 + len(checkpoints) if layout.conv_shape is not None else 0
-    payload.expect((TOKEN_DTYPE.itemsize + layout.kv_nbytes_per_token) * n + runner.recurrent_state_nbytes * n_states)
+    payload.expect(TOKEN_DTYPE.itemsize * n + layout.kv_nbytes(n, n - saved_from)
+                   + runner.recurrent_state_nbytes * n_states)
     tokens = payload.take_tokens((n,), runner.vocab_size)
-    kv = layout.take_kv(payload, n, layout.n_kv_heads)
+    kv = layout.take_kv(payload, n, n - saved_from, layout.n_kv_heads)
     states = [(payload.take(RECURRENT_DTYPE, layout.conv_shape), payload.take(RECURRENT_DTYPE, layout.ssm_shape))
               for _ in range(n_states)]
 
@@ -242,10 +269,16 @@ def restore_slot(runner: ModelRunner, slots: Slots, slot: Slot, path: Path) -> S
     slots.forget(slot)
     slots.make_room(blocks_for(n))
     seq.block_table.ensure(n, runner.pool)
-    blocks = seq.block_table.view()
-    for layer, (k, v) in enumerate(kv):
-        _put_kv_positions(runner.kv.k[layer], blocks, k)
-        _put_kv_positions(runner.kv.v[layer], blocks, v)
+    # The window layers get the blocks of their window only (a file may hold more of their rows).
+    window_from = max(saved_from, window_start(n, runner.window) * BLOCK_SIZE) if runner.window else 0
+    if seq.window_table is not None:
+        seq.window_table.start_at(window_from // BLOCK_SIZE)
+        seq.window_table.ensure(n, runner.window_pool)
+    for layer, (blocks, start) in enumerate(_layer_tables(runner, seq, window_from)):
+        k, v = kv[layer]
+        skip = start - saved_from if layout.windowed[layer] else 0
+        _put_kv_positions(runner.kv.k[layer], blocks, start, k[skip:])
+        _put_kv_positions(runner.kv.v[layer], blocks, start, v[skip:])
     if states:
         seq.recurrent.assign(*states[0])
         for n_tokens, (conv, ssm) in zip(checkpoints, states[1:]):
@@ -282,9 +315,13 @@ def save_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> in
     """
     entries = list(cache.entries.items())
     blocks = np.array([entry.block for _, entry in entries], dtype=np.int64)
+    windowed = [i for i, (key, _) in enumerate(entries) if key in cache.window_block_of]
+    window_blocks = np.array([cache.window_block_of[entries[i][0]] for i in windowed], dtype=np.int64)
     snapshots = [(key, stored.state) for key, stored in cache.snapshots.items() if key in cache.entries]
     header = {"block_size": BLOCK_SIZE, **StateLayout.of(runner).as_header(),
               "n_blocks": len(entries), "n_snapshots": len(snapshots)}
+    if runner.window:
+        header["n_window_blocks"] = len(windowed)
     with storage_errors("prefix cache save"):
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(path) as out:
@@ -292,9 +329,11 @@ def save_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> in
             out.write(np.array([key for key, _ in entries], dtype=KEY_DTYPE).tobytes())
             out.write(np.array([entry.parent for _, entry in entries], dtype=KEY_DTYPE).tobytes())
             out.write(np.array([entry.tokens for _, entry in entries], dtype=TOKEN_DTYPE).reshape(-1).tobytes())
-            for layer in range(runner.n_attention_layers):
-                out.write(np.ascontiguousarray(runner.kv.k[layer][blocks]).tobytes())
-                out.write(np.ascontiguousarray(runner.kv.v[layer][blocks]).tobytes())
+            out.write(np.array(windowed, dtype=TOKEN_DTYPE).tobytes())
+            for layer, window in enumerate(runner.kv.windows):
+                rows = window_blocks if window else blocks
+                out.write(np.ascontiguousarray(runner.kv.k[layer][rows]).tobytes())
+                out.write(np.ascontiguousarray(runner.kv.v[layer][rows]).tobytes())
             out.write(np.array([key for key, _ in snapshots], dtype=KEY_DTYPE).tobytes())
             for _, state in snapshots:
                 out.write(state.conv.tobytes())
@@ -320,12 +359,21 @@ def load_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> in
                                    f"this server's {BLOCK_SIZE}")
     if n_snapshots and layout.conv_shape is None:
         raise PrefixCacheFileError("prefix cache file holds recurrent-state snapshots; this model has none")
-    block_nbytes = 2 * KEY_DTYPE.itemsize + (TOKEN_DTYPE.itemsize + layout.kv_nbytes_per_token) * BLOCK_SIZE
-    payload.expect(n_blocks * block_nbytes + n_snapshots * (KEY_DTYPE.itemsize + runner.recurrent_state_nbytes))
+    n_window = header.get("n_window_blocks", 0)
+    if not isinstance(n_window, int) or not 0 <= n_window <= n_blocks:
+        raise PrefixCacheFileError("prefix cache file header is invalid: n_window_blocks")
+    block_nbytes = 2 * KEY_DTYPE.itemsize + TOKEN_DTYPE.itemsize * BLOCK_SIZE
+    payload.expect(n_blocks * block_nbytes + n_window * TOKEN_DTYPE.itemsize
+                   + layout.kv_nbytes(n_blocks, n_window) * BLOCK_SIZE
+                   + n_snapshots * (KEY_DTYPE.itemsize + runner.recurrent_state_nbytes))
     keys = payload.take(KEY_DTYPE, (n_blocks,))
     parents = payload.take(KEY_DTYPE, (n_blocks,))
     tokens = payload.take_tokens((n_blocks, BLOCK_SIZE), runner.vocab_size)
-    kv = layout.take_kv(payload, n_blocks, layout.n_kv_heads, BLOCK_SIZE)
+    window_entries = payload.take(TOKEN_DTYPE, (n_window,))
+    if n_window and (window_entries.min() < 0 or window_entries.max() >= n_blocks
+                     or np.any(np.diff(window_entries) <= 0)):
+        raise PrefixCacheFileError("prefix cache file window entries are invalid")
+    kv = layout.take_kv(payload, n_blocks, n_window, layout.n_kv_heads, BLOCK_SIZE)
     snapshot_keys = payload.take(KEY_DTYPE, (n_snapshots,))
     if n_snapshots:
         convs = payload.take(RECURRENT_DTYPE, (n_snapshots, *layout.conv_shape))
@@ -334,20 +382,30 @@ def load_prefix_cache(runner: ModelRunner, cache: PrefixCache, path: Path) -> in
         if cache.key(int(parents[i]), tokens[i]) != int(keys[i]):
             raise PrefixCacheFileError(f"prefix cache file block {i} does not match its key (corrupt file)")
 
-    pool = runner.pool
+    pool, window_pool = runner.pool, runner.window_pool
     room = pool.n_free - n_snapshots * cache.snapshot_cost_blocks  # snapshots must not evict loaded blocks
-    loaded = []
+    window_row = {int(entry): row for row, entry in enumerate(window_entries)} if window_pool is not None else {}
+    loaded, window_loaded = [], []
     for i in range(max(0, min(n_blocks, room))):
         block = pool.allocate()
+        window_block = NO_BLOCK
+        row = window_row.get(i)
+        if row is not None and window_pool.n_free:
+            window_block = window_pool.allocate()
+            window_loaded.append(window_block)
         for layer, (k, v) in enumerate(kv):
-            runner.kv.k[layer][block] = k[i]
-            runner.kv.v[layer][block] = v[i]
-        cache.register(int(parents[i]), tokens[i].tolist(), block)
+            if not layout.windowed[layer]:
+                runner.kv.k[layer][block], runner.kv.v[layer][block] = k[i], v[i]
+            elif window_block != NO_BLOCK:
+                runner.kv.k[layer][window_block], runner.kv.v[layer][window_block] = k[row], v[row]
+        cache.register(int(parents[i]), tokens[i].tolist(), block, window_block)
         loaded.append(block)
-    # Cached and unreferenced, the blocks wait in the LRU queue for a hit. Parents come before their
+    # Cached and unreferenced, the blocks wait in the LRU queues for a hit. Parents come before their
     # children in the file: releasing in reverse makes chains lose their tails before their heads.
     for block in reversed(loaded):
         pool.release(block)
+    for block in reversed(window_loaded):
+        window_pool.release(block)
     if n_snapshots:
         state = RecurrentState.zeros(layout.conv_shape, layout.ssm_shape)
         for j in range(n_snapshots):

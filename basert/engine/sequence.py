@@ -58,14 +58,17 @@ class SequenceState:
     recurrent: RecurrentState | None
     tokens: list[int]          # tokens whose KV / state have been computed, in order
     block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of the full blocks, in order
+    window_table: BlockTable | None = None  # the sliding-window layers' blocks (models with such layers)
 
     @property
     def n_past(self) -> int:
         return len(self.tokens)
 
-    def reset(self, pool: BlockPool) -> None:
-        """Forget everything: release the blocks and zero the recurrent state."""
+    def reset(self, pool: BlockPool, window_pool: BlockPool | None = None) -> None:
+        """Forget everything: release the blocks (the window table's to window_pool) and zero the recurrent state."""
         self.block_table.release_all(pool)
+        if self.window_table is not None:
+            self.window_table.release_all(window_pool)
         if self.recurrent is not None:
             self.recurrent.reset()
         self.tokens.clear()

@@ -8,6 +8,9 @@ output stays exactly what it would be on a fresh engine:
   the checkpoints the slot captured at chat-segment ends and just before the last prompt token;
 - or a prefix-cache hit (full 16-token blocks, for hybrids only up to a block that has a state snapshot).
 
+A model with sliding-window layers resumes its own history only where it still holds the window layers' blocks
+that the next token reads (see `ModelRunner.resumable`), and a hit only where they are cached.
+
 At least the last prompt token is always computed, for its logits. While a request prefills, a slot also
 adopts blocks that other slots cached since it was admitted, and idle slots give their blocks back when
 the KV pool runs short (least recently used first).
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from basert.engine.drafts import Drafter
-from basert.engine.kv import BLOCK_SIZE
+from basert.engine.kv import BLOCK_SIZE, NO_BLOCK
 from basert.engine.output import RequestOutput
 from basert.engine.prefix_cache import ROOT_KEY, CacheHit, PrefixCache
 from basert.engine.runner import ModelRunner
@@ -136,9 +139,12 @@ class Slots:
     def _own_reusable(self, slot: Slot, prompt: list[int], limit: int) -> int:
         seq = slot.sequence
         common = min(common_prefix(seq.tokens, prompt), limit)
+        if not self.runner.resumable(seq, common):
+            return 0    # the window layers' KV before `common` is gone (an earlier n resumes even less)
         if seq.recurrent is None or common == seq.n_past:
             return common
-        usable = [c.n_tokens for c in slot.checkpoints if c.n_tokens <= common]
+        usable = [c.n_tokens for c in slot.checkpoints
+                  if c.n_tokens <= common and self.runner.resumable(seq, c.n_tokens)]
         return max(usable, default=0)
 
     def _resume_own(self, slot: Slot, n_tokens: int) -> None:
@@ -159,6 +165,8 @@ class Slots:
         seq = slot.sequence
         self.forget(slot)
         seq.block_table.adopt(hit.blocks, self.runner.pool)
+        if seq.window_table is not None:
+            seq.window_table.adopt(hit.window_blocks, self.runner.window_pool)
         seq.tokens.extend(prompt[: hit.n_tokens])
         seq.block_keys.extend(hit.keys)
         if seq.recurrent is not None:
@@ -241,11 +249,13 @@ class Slots:
         cache = self.prefix_cache
         if cache is None:
             return
+        window = seq.window_table
         while len(seq.block_keys) < seq.n_past // BLOCK_SIZE:
             i = len(seq.block_keys)
             parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
             tokens = seq.tokens[i * BLOCK_SIZE: (i + 1) * BLOCK_SIZE]
-            seq.block_keys.append(cache.register(parent, tokens, int(seq.block_table.ids[i])))
+            window_block = int(window.ids[i]) if window is not None and i >= window.first else NO_BLOCK
+            seq.block_keys.append(cache.register(parent, tokens, int(seq.block_table.ids[i]), window_block))
 
     # --- KV blocks ----------------------------------------------------------------------------
     def available_blocks(self) -> int:

@@ -187,8 +187,18 @@ class DecoderConfig:
 
     @property
     def kv_layers(self) -> int:
-        """Layers that keep K and V for every position (attention layers)."""
+        """Layers that keep K and V for every position (attention layers that see every position)."""
         return self.num_hidden_layers
+
+    @property
+    def window_layers(self) -> int:
+        """Attention layers that see a sliding window of positions only (their KV is kept for the window)."""
+        return 0
+
+    @property
+    def window(self) -> int:
+        """The widest sliding window in positions (0: no window layer)."""
+        return 0
 
 
 def _decoder_values(config: ConfigReader) -> dict[str, Any]:
@@ -275,6 +285,18 @@ class Gemma3Config(DecoderConfig):
     sliding_window: int            # positions a sliding layer's token sees, itself included
     rope_local_theta: float        # RoPE base of the sliding layers (rope_theta is the global layers')
     query_pre_attn_scalar: float   # attention scores are scaled by query_pre_attn_scalar ** -0.5
+
+    @property
+    def kv_layers(self) -> int:
+        return self.layer_types.count("full_attention")
+
+    @property
+    def window_layers(self) -> int:
+        return self.layer_types.count("sliding_attention")
+
+    @property
+    def window(self) -> int:
+        return self.sliding_window if self.window_layers else 0
 
     @classmethod
     def read(cls, config: ConfigReader, arch: Architecture) -> Gemma3Config:

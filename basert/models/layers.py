@@ -121,6 +121,9 @@ class Batch:
     lengths: np.ndarray     # int32 [n_items]
     starts: np.ndarray      # int32 [n_items]
     tables: np.ndarray      # int32 [n_items, max blocks per sequence]
+    # The sliding-window layers' block tables (entries before a window may be NO_BLOCK); `tables` itself for a
+    # model without such layers.
+    window_tables: np.ndarray
 
     @property
     def n_tokens(self) -> int:
@@ -205,8 +208,9 @@ class Attention:
         self.rope.apply(k, batch.positions)
         attn = ws.get("attn.out", t, self.n_heads, hd)
         k_cache, v_cache = kv.k[self.kv_layer], kv.v[self.kv_layer]
-        attn_ext.kv_write_batch(k_cache, v_cache, k, v, batch.tables, batch.rows, batch.lengths, batch.starts)
-        attn_ext.attention_batch(q, k_cache, v_cache, batch.tables, batch.rows, batch.lengths, batch.starts,
+        tables = batch.window_tables if self.window else batch.tables
+        attn_ext.kv_write_batch(k_cache, v_cache, k, v, tables, batch.rows, batch.lengths, batch.starts)
+        attn_ext.attention_batch(q, k_cache, v_cache, tables, batch.rows, batch.lengths, batch.starts,
                                  self.scale, attn, self.window)
         flat = attn.reshape(t, self.n_heads * hd)
         if self.output_gate:

@@ -40,6 +40,13 @@ class DecoderModel:
         self.graph = decode_graph(self)
 
     @property
+    def kv_windows(self) -> list[int]:
+        """Each attention layer's sliding window in positions (0: it sees every position), in KV-layer order."""
+        windows = {layer.mixer.kv_layer: layer.mixer.window for layer in self.layers
+                   if isinstance(layer.mixer, Attention)}
+        return [windows[i] for i in range(len(windows))]
+
+    @property
     def linear_attention(self) -> LinearAttentionConfig | None:
         """The sizes of the Gated DeltaNet layers' recurrent state; None for attention-only models."""
         return self.config.linear_attention if isinstance(self.config, Qwen35Config) else None
@@ -60,7 +67,7 @@ class DecoderModel:
             np.copyto(rows, logit_rows, casting="unsafe")
             logits = ws.get("logits", n, self.vocab)
             self.graph.run(x, kv.k, kv.v, batch.positions, batch.rows, batch.lengths, batch.starts, batch.tables,
-                           rows, logits, mm.get_num_threads())
+                           batch.window_tables, rows, logits, mm.get_num_threads())
             return logits
         for layer in self.layers:
             layer(x, batch, kv, ws)

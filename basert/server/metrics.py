@@ -33,8 +33,13 @@ class ServerMetrics:
                                     ["model"], registry=self.registry)
         self.kv_blocks_total = Gauge("basert_kv_blocks_total", "KV blocks in the pool", ["model"],
                                      registry=self.registry)
-        self.kv_bytes = Gauge("basert_kv_bytes", "bytes of the KV pool (K and V of every attention layer, as their KV "
-                              "types store them)", ["model"], registry=self.registry)
+        self.kv_window_blocks_used = Gauge("basert_kv_window_blocks_used", "blocks of the sliding-window layers' "
+                                           "pool held by slots or the cache", ["model"], registry=self.registry)
+        self.kv_window_blocks_total = Gauge("basert_kv_window_blocks_total", "blocks in the sliding-window layers' "
+                                            "pool (0: the model has no such layer)", ["model"], registry=self.registry)
+        self.kv_bytes = Gauge("basert_kv_bytes", "bytes of the KV pools (K and V of every attention layer, as their KV "
+                              "types store them; the sliding-window layers' pool included)", ["model"],
+                              registry=self.registry)
         self.prefix_queries = Gauge("basert_prefix_cache_queries", "prefix cache lookups so far", ["model"],
                                     registry=self.registry)
         self.prefix_hit_tokens = Gauge("basert_prefix_cache_hit_tokens", "prompt tokens served from the prefix "
@@ -53,6 +58,8 @@ class ServerMetrics:
         self.waiting.labels(model).set(stats["waiting"])
         self.kv_blocks_used.labels(model).set(stats["kv_blocks_used"])
         self.kv_blocks_total.labels(model).set(stats["kv_blocks_total"])
+        self.kv_window_blocks_used.labels(model).set(stats["kv_window_blocks_used"])
+        self.kv_window_blocks_total.labels(model).set(stats["kv_window_blocks_total"])
         self.kv_bytes.labels(model).set(stats["kv_bytes"])
         cache = stats["prefix_cache"]
         if cache is not None:
