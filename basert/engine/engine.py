@@ -282,8 +282,9 @@ class Engine:
             work.append((slot, chunk, last and running.next_token is None))
         if not work:
             return events
-        self.slots.make_room(sum(blocks_for(slot.sequence.n_past + len(chunk)) - slot.sequence.block_table.n_blocks
-                                 for slot, chunk, _ in work))
+        growth = [(slot.sequence, blocks_for(slot.sequence.n_past + len(chunk))) for slot, chunk, _ in work]
+        self.slots.make_room(sum(n - seq.block_table.n_blocks for seq, n in growth),
+                             sum(n - seq.window_table.n_blocks for seq, n in growth if seq.window_table is not None))
         # Logits of the last position, or of every position where drafts follow the next token.
         requests = [ForwardRequest(slot.sequence, chunk, "all" if len(chunk) > 1 and not slot.running.pending else
                                    "last" if wants else "none") for slot, chunk, wants in work]

@@ -4,7 +4,7 @@ A block whose last holder lets go returns to the free list, unless the prefix ca
 then it waits in an LRU queue, still holding its KV, until a hit revives it or an allocation evicts it.
 
 Sliding-window layers (a token sees the last `window` positions only) keep their K/V in blocks of a second,
-smaller pool: a sequence's window table holds the blocks of its last positions only. Before each forward the
+smaller pool: a sequence's window table holds the blocks of its last positions only. After each forward the
 blocks wholly before what the next token's window (less WINDOW_SLACK positions, so that a conversation can
 resume a little before its end) reads are released; their table entries become NO_BLOCK, which no kernel reads.
 """
@@ -60,7 +60,7 @@ def window_pool_blocks(window: int, n_sequences: int, token_budget: int, max_con
     (never more than every position of every sequence); 0 without a window."""
     if not window:
         return 0
-    return min(n_sequences * (window_blocks(window, 0) + 1) + blocks_for(token_budget),
+    return min(n_sequences * (window_blocks(window, 0) + 2) + blocks_for(token_budget),
                n_sequences * blocks_for(max_context))
 
 

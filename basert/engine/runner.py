@@ -255,7 +255,7 @@ class ModelRunner:
         """Append each request's tokens to its sequence; logits [n, vocab] per request as asked, or with
         `hidden` the final norm's output [n, hidden] at those positions (the last hidden states).
 
-        The sequences' blocks come from `space` (default: the shared pools). A sequence's window table first
+        The sequences' blocks come from `space` (default: the shared pools). A sequence's window table then
         lets go of the blocks before what its next window reads (less window_slack positions). The results are
         views of a scratch array, valid until the next forward: copy what you keep. On an exception the
         sequences in this call are left inconsistent: reset them.
@@ -300,8 +300,6 @@ class ModelRunner:
             end = seq.n_past + n_new
             own = [(seq.block_table, pool)]
             if self.window:
-                seq.window_table.release_before(window_start(max(0, seq.n_past - self.window_slack), self.window),
-                                                window_pool)
                 own.append((seq.window_table, window_pool))
             for table, table_pool in own:
                 if seq.n_past % BLOCK_SIZE and table_pool.is_shared(int(table.ids[seq.n_past // BLOCK_SIZE])):
@@ -333,7 +331,11 @@ class ModelRunner:
         results: list[np.ndarray | None] = []
         used = 0
         for request in requests:
-            request.sequence.tokens.extend(int(t) for t in request.tokens)
+            seq = request.sequence
+            seq.tokens.extend(int(t) for t in request.tokens)
+            if self.window:
+                seq.window_table.release_before(window_start(max(0, seq.n_past - self.window_slack), self.window),
+                                                window_pool)
             count = {"last": 1, "all": len(request.tokens), "none": 0}[request.logits]
             results.append(rows_out[used: used + count] if count else None)
             used += count

@@ -267,12 +267,12 @@ class Slots:
         snapshots = self.prefix_cache.snapshot_blocks if self.prefix_cache is not None else 0
         return pool.n_available + idle_only + snapshots
 
-    def make_room(self, n_blocks: int) -> None:
+    def make_room(self, n_blocks: int, n_window_blocks: int = 0) -> None:
         """Free idle slots' histories (least recently used first), then prefix-cache snapshots (oldest
-        first), until n_blocks can be allocated."""
-        pool = self.runner.pool
+        first), until n_blocks (and n_window_blocks of the window layers' pool) can be allocated."""
+        pool, window_pool = self.runner.pool, self.runner.window_pool
         for slot in sorted((slot for slot in self.all if not slot.busy), key=lambda slot: slot.last_used):
-            if pool.n_available >= n_blocks:
+            if pool.n_available >= n_blocks and (window_pool is None or window_pool.n_available >= n_window_blocks):
                 return
             if slot.sequence.block_table.n_blocks:
                 self.forget(slot)
