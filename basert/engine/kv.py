@@ -162,19 +162,11 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
 
-    def _layers_nbytes(self, windowed: bool, n_blocks: int) -> int:
-        return sum(k.nbytes + v.nbytes for k, v, window in zip(self.k, self.v, self.windows)
-                   if bool(window) == windowed) // n_blocks if n_blocks else 0
-
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block over the layers that see every position, K and V."""
-        return self._layers_nbytes(False, self.n_blocks)
-
-    @property
-    def window_block_nbytes(self) -> int:
-        """Bytes of one block over the sliding-window layers, K and V."""
-        return self._layers_nbytes(True, self.n_window_blocks)
+        total = sum(k.nbytes + v.nbytes for k, v, window in zip(self.k, self.v, self.windows) if not window)
+        return total // self.n_blocks if self.n_blocks else 0
 
     def copy_block(self, source: int, target: int, *, windowed: bool = False) -> None:
         """Copy a block of the layers that see every position (windowed: of the sliding-window layers)."""
