@@ -57,6 +57,7 @@ from pathlib import Path
 
 import httpx
 import trio
+from load_server import read_proc_status
 
 from basert import __version__
 from basert.chat.default_templates import BY_ARCH as DEFAULT_TEMPLATES
@@ -186,15 +187,7 @@ def fallback_chat_template(gguf: Path) -> str | None:
 
 def proc_status_mib(pid: int) -> dict[str, float]:
     """VmRSS and VmHWM of a process in MiB (empty once it is gone)."""
-    fields = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) / 1024
-    except OSError:
-        pass
-    return fields
+    return {key: value / 2**20 for key, value in read_proc_status(pid).items()}
 
 
 # llama_kv_cache_iswa: creating non-SWA KV cache, size = 32768 cells
