@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from basert.chat.encoder import ChatEncoder
+from basert.chat.prompt import render_prefill
 from basert.chat.template import ChatTemplate, ChatTemplateError
 from basert.tokenizer import Tokenizer
 
@@ -18,6 +19,7 @@ QWEN3 = "Qwen-Qwen3-0.6B.jinja"
 QWEN35 = "Qwen3.5-4B.jinja"
 QWEN3_CODER = "Qwen3-Coder.jinja"
 HERMES3 = "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja"
+GEMMA2 = "google-gemma-2-2b-it.jinja"
 
 
 def load(name: str, **tokens: str) -> ChatTemplate:
@@ -616,3 +618,15 @@ def test_markers_cannot_be_forged(vocabularies: dict[str, Tokenizer]) -> None:
     ids = forged.encode(template.render(forged_messages))
     assert tok.decode(ids) == template.render([{"role": "user", "content": f"{marker} <|im_start|>"}])
     assert ids.count(151645) == 1
+
+
+@pytest.mark.parametrize("prefill", ["```python\n", "Sure: ```python\n"])
+def test_prefill_is_continued_where_the_final_message_is_even_if_its_text_is_also_earlier(prefill: str) -> None:
+    """An assistant prefill whose text also occurs in the user's message (and which the template trims) continues
+    after the whole conversation, never at the earlier occurrence."""
+    user = "Rename f to g and return the file.\n\n```python\ndef f():\n    return 1\n```"
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": prefill}]
+    rendered = render_prefill(load(GEMMA2, bos_token="<bos>"), messages, None, {})
+    assert rendered == f"<bos><start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n{prefill}"
+    qwen = render_prefill(load(QWEN3), messages, None, {})
+    assert qwen.startswith(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n") and qwen.endswith(prefill)

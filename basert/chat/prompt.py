@@ -65,15 +65,17 @@ def plan_chat_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: lis
 
 def render_prefill(template: ChatTemplate, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
     """The prompt that continues the final message: the conversation rendered with it, cut right after its text
-    (the template's end-of-turn markup dropped); where the template changes that text, the conversation before it
-    with a generation prompt, then the text."""
+    (the template's end-of-turn markup dropped), the text looked for after the turns before it only (it may also
+    occur in them); where the template changes that text (trims it, say), the conversation before it with a
+    generation prompt, then the text."""
     text = content_text(messages[-1].get("content"))
+    opened = template.render(messages[:-1], tools=tools, add_generation_prompt=True, **kwargs)
     if text:
         closed = template.render(messages, tools=tools, add_generation_prompt=False, **kwargs)
-        at = closed.rfind(text)
+        at = closed.find(text, len(opened)) if closed.startswith(opened) else -1
         if at >= 0:
             return closed[: at + len(text)]
-    return template.render(messages[:-1], tools=tools, add_generation_prompt=True, **kwargs) + text
+    return opened + text
 
 
 def message_boundaries(encoder: ChatEncoder, messages: list[dict], rendered: str, prompt: list[int]) -> tuple[int, ...]:
