@@ -229,7 +229,10 @@ def test_a_served_gguf_is_converted_once_and_listed_by_its_stem(smollm2_gguf: Pa
     env = {"BASERT_MODELS_DIR": str(tmp_path / "models")}
     for run in ("first", "second"):
         with ServerProcess(gguf, "-c", "256", log_path=tmp_path / f"{run}.log", env=env) as server:
-            assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["my-smol.Q4_1"]
+            served = httpx.get(server.url + "/v1/models").json()["data"]
+            assert (served[0]["id"], served[0]["status"]["value"]) == ("my-smol.Q4_1", "loaded")
+            # Then the pullable models, to be installed and loaded when a request names them.
+            assert "HuggingFaceTB/SmolLM2-135M-Instruct" in [m["id"] for m in served[1:]]
         converted = "installed" in (tmp_path / f"{run}.log").read_text()
         assert converted == (run == "first")
     listed = json.loads(basert("list", "--json", models_dir=tmp_path / "models").stdout)

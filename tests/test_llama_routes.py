@@ -314,7 +314,9 @@ def test_hybrid_chat_prompt_and_completion(hybrid_server: ServerProcess):
 
 
 def test_alias_no_slots_and_no_metrics(flagged: ServerProcess):
-    assert [m["id"] for m in answer(httpx.get(flagged.url + "/models"))["data"]] == ["local-smol"]
+    served = answer(httpx.get(flagged.url + "/models"))["data"]   # the models directory's models follow, unloaded
+    assert (served[0]["id"], served[0]["status"]["value"]) == ("local-smol", "loaded")
+    assert all(model["status"]["value"] == "unloaded" for model in served[1:])
     assert answer(httpx.get(flagged.url + "/props"))["model_alias"] == "local-smol"
     result = answer(post(flagged.url, "/completion", {**GREEDY, "n_predict": 1, "model": "whatever"}))
     assert result["model"] == "local-smol" and result["generation_settings"]["n_ctx"] == 256

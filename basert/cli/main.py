@@ -1,4 +1,4 @@
-"""The `basert` command: serve, cluster, slots, convert, inspect, pull, list, complete and bench."""
+"""The `basert` command: serve, cluster, slots, ps, convert, inspect, pull, list, complete and bench."""
 
 from __future__ import annotations
 
@@ -152,11 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_list)
 
-    from basert.cli import bench, chat, cluster, generate, serve, slots
+    from basert.cli import bench, chat, cluster, generate, ps, serve, slots
 
     serve.add_parser(sub)
     cluster.add_parser(sub)
     slots.add_parser(sub)
+    ps.add_parser(sub)
     generate.add_parser(sub)
     chat.add_parser(sub)
     bench.add_parser(sub)

@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from basert._ext.kvtypes import KV_TYPES
@@ -21,6 +22,7 @@ DEFAULT_LANES = 4  # slots batched together when no flag says otherwise
 KV_TYPE_NAMES = ", ".join(KV_TYPES)
 # How long the requests the server ends when it stops get to send their error (a stream, its last events).
 ENDED_ANSWER_SECONDS = 5.0
+AUTO_MEMORY_SHARE = 0.9  # --memory-budget auto: this share of the memory available at start
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +31,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(converted into the models dir on first use); default: SmolLM2-135M-Instruct")
     p.add_argument("--model", "-m", action="append", default=[], metavar="PATH_OR_ID",
                    help="another model to serve (repeatable)")
+    p.add_argument("--models-dir", type=Path, metavar="DIR",
+                   help="the models directory (default $BASERT_MODELS_DIR, else ~/.cache/baseRT/models): every model "
+                   "installed there (`basert list`) and every pullable one (`basert pull`) is served too, loaded "
+                   "when a request names it (by id, `id:variant`, or short name such as smollm2)")
+    p.add_argument("--max-loaded-models", type=int, default=3, metavar="N",
+                   help="models loaded at once (default 3; 0: no limit); to load another, the least recently used "
+                   "model that no request holds is unloaded first, and a request waits up to --queue-timeout for "
+                   "one to become idle (then 503 with Retry-After)")
+    p.add_argument("--memory-budget", type=memory_budget, default="auto", metavar="SIZE|auto",
+                   help="memory the loaded models' weights and KV pools may take together, e.g. 8GiB (default auto: "
+                   "90%% of the memory available at start); beyond it idle models are unloaded as above, and a model "
+                   "larger than the budget is refused")
+    p.add_argument("--keep-alive", type=keep_alive_flag, default="5m", metavar="DURATION",
+                   help="how long a model loaded on demand stays loaded after its last request (default 5m; a "
+                   "number of seconds or a duration such as 30s, 1h; negative: until unloaded); requests override "
+                   "it with keep_alive. Models named on the command line stay loaded unless a request says otherwise")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="bind port (default 8080)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -173,6 +191,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return "--drain-timeout must be >= 0"
     if not 0 <= args.spec_draft_max <= MAX_DRAFT_MAX:
         return f"--spec-draft-max must be in [0, {MAX_DRAFT_MAX}]"
+    if args.max_loaded_models < 0:
+        return "--max-loaded-models N needs N >= 0 (0: no limit)"
     if args.n_keep < -1:
         return "--keep N needs N >= -1 (-1: the whole prompt)"
     if args.alias and len(model_specs(args)) > 1:
@@ -194,6 +214,21 @@ def memory_size(text: str) -> int:
     if size < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
     return size
+
+
+def memory_budget(text: str) -> int | str:
+    """--memory-budget: "auto" or a size (argparse type)."""
+    return "auto" if text.strip().lower() == "auto" else memory_size(text)
+
+
+def keep_alive_flag(text: str) -> float:
+    """--keep-alive: seconds (argparse type)."""
+    from basert.server.catalog import parse_keep_alive
+
+    try:
+        return parse_keep_alive(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class StartupError(Exception):
@@ -258,18 +293,19 @@ def engine_options(args: argparse.Namespace):
     ).resolved()
 
 
-def load_model(path: Path, args: argparse.Namespace):
-    """Build the model's engine, its actor, and what the server needs to render its chats."""
+def load_model(path: Path, args: argparse.Namespace, *, on_demand: bool = False):
+    """Build the model's engine, its actor, and what the server needs to render its chats (`on_demand`: a model
+    of the models directory, loaded when a request names it)."""
     from basert.actor.actor import ModelActor
     from basert.chat.template import model_chat_template
     from basert.chat.tool_calls import detect_dialect
     from basert.engine.build import build_engine
     from basert.server.catalog import ServedModel
 
-    options = engine_options(args)
+    options = model_options(args, on_demand)
     engine = build_engine(path, options)
     tokenizer = engine.tokenizer
-    template = model_chat_template(tokenizer, args.chat_template)
+    template = model_chat_template(tokenizer, None if on_demand else args.chat_template)
     actor = ModelActor(engine, cache_save_interval=args.prefix_cache_save_interval,
                        max_queued=args.max_queued, queue_timeout=args.queue_timeout)
     info = engine.info
@@ -284,6 +320,67 @@ def load_model(path: Path, args: argparse.Namespace):
     actor.load_prefix_cache()
     return ServedModel(info=info, actor=actor, tokenizer=tokenizer, template=template,
                        dialect=detect_dialect(template.source if template else None), grammars=None)
+
+
+def model_options(args: argparse.Namespace, on_demand: bool):
+    """The engine options of a model named on the command line, or of one loaded on demand (which keeps its own
+    prefix cache file, PATH.<model id>, and uses the model's own chat template)."""
+    options = engine_options(args)
+    return replace(options, one_of_several=True) if on_demand else options
+
+
+def servable_entries(args: argparse.Namespace) -> list:
+    """A catalog entry for each model of the models directory and each pullable model whose packages are here."""
+    from basert.convert.default_model import PULLABLE
+    from basert.engine.build import model_id_for, planned_memory
+    from basert.models_dir import ModelPackageError, installed_models
+    from basert.server.catalog import ModelEntry
+
+    def estimate(entry: ModelEntry):
+        return lambda: planned_memory(entry.path, model_options(args, True)) if entry.path else 0
+
+    entries: dict[str, ModelEntry] = {}
+    for model in installed_models():
+        name = model_id_for(model.path)
+        key = name if name not in entries else f"{name}:{model.variant}"
+        entries[key] = ModelEntry(name=key, aliases={key, f"{name}:{model.variant}"}, path=model.path,
+                                  spec=str(model.path))
+    for pullable in PULLABLE.values():
+        try:
+            pullable.gguf.part_paths()
+            available = True
+        except ModelPackageError:
+            available = False
+        installed = next((e for e in entries.values() if e.path == pullable.path()), None)
+        if installed is not None:
+            installed.aliases |= {pullable.alias, pullable.model_id}
+            installed.spec = pullable.alias
+        elif available:
+            entries[pullable.model_id] = ModelEntry(
+                name=pullable.model_id, path=None, spec=pullable.alias,
+                aliases={pullable.alias, pullable.model_id, f"{pullable.model_id}:{pullable.variant}"})
+    for entry in entries.values():
+        entry.estimate = estimate(entry)
+    return list(entries.values())
+
+
+def model_loader(args: argparse.Namespace):
+    """The catalog's loader: a model of the models directory (a pullable one installed first), built and wrapped."""
+    from basert.convert.default_model import locate_model
+    from basert.engine.build import ModelOptionsError
+    from basert.format.errors import ModelValidationError
+    from basert.models_dir import ModelPackageError
+    from basert.server.catalog import ModelLoadError
+
+    def load(entry):
+        try:
+            if entry.path is None or not entry.path.is_file():
+                entry.path, _ = locate_model(entry.spec or entry.name)
+            return load_model(entry.path, args, on_demand=True)
+        except (ModelValidationError, ModelOptionsError, ModelPackageError, OSError) as exc:
+            raise ModelLoadError(str(exc)) from None
+
+    return load
 
 
 def configure_logging(log_file: Path | None) -> None:
@@ -347,12 +444,12 @@ def serve(args: argparse.Namespace) -> int:
 
     from basert.actor.messages import FailGenerations
     from basert.cli.generate import model_path_for
-    from basert.engine.build import ModelOptionsError
+    from basert.engine.build import ModelOptionsError, available_memory
     from basert.format.atomic import remove_stale_temp_files
     from basert.format.errors import ModelValidationError
     from basert.server.app import ServerSettings, create_app, is_loopback
     from basert.server.asgi import RequestGuard, use_envelope_protocol_errors
-    from basert.server.catalog import ModelCatalog
+    from basert.server.catalog import LoadPolicy, ModelCatalog
     from basert.server.errors import unavailable
     from basert.server.files import FilesStore
     from basert.server.generation import ServerLimits
@@ -371,8 +468,15 @@ def serve(args: argparse.Namespace) -> int:
     if args.slot_save_path:
         args.slot_save_path.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_files(args.slot_save_path)
+    if args.models_dir is not None:
+        os.environ["BASERT_MODELS_DIR"] = str(args.models_dir.expanduser())
     specs = model_specs(args)
-    catalog = ModelCatalog()
+    budget = args.memory_budget
+    if budget == "auto":
+        budget = int(available_memory() * AUTO_MEMORY_SHARE)
+    catalog = ModelCatalog(model_loader(args), LoadPolicy(max_loaded=args.max_loaded_models, memory_budget=budget,
+                                                         keep_alive=args.keep_alive,
+                                                         queue_timeout=args.queue_timeout))
     for spec in specs or [None]:
         path = model_path_for(spec)
         try:
@@ -381,6 +485,11 @@ def serve(args: argparse.Namespace) -> int:
             raise StartupError(str(exc)) from None
         catalog.add(model, alias=args.alias)
         log.info("loaded %s from %s (%s, n_ctx %d)", model.info.id, path, model.info.arch, model.info.n_ctx)
+    for entry in servable_entries(args):
+        catalog.add_entry(entry)
+    log.info("serving %d model(s): %s loaded, the others on demand (at most %s loaded, memory budget %s)",
+             len(catalog.entries), ", ".join(m.info.id for m in catalog.models), args.max_loaded_models or "any",
+             f"{budget / 2**30:.1f} GiB" if budget else "none")
     settings = ServerSettings(
         api_keys=keys,
         limits=ServerLimits(default_max_tokens=args.max_tokens, request_timeout_ms=args.request_timeout),
@@ -451,16 +560,13 @@ def serve(args: argparse.Namespace) -> int:
             nursery.start_soon(handle_signals, nursery)
             if args.exit_with_parent:
                 nursery.start_soon(watch_parent, nursery)
-            for model in catalog.models:
-                nursery.start_soon(model.actor.run)
+            await nursery.start(catalog.run)
             log.info("listening on http://%s:%d", args.host, args.port)
             await hypercorn_serve(guarded, config, shutdown_trigger=shutdown.wait)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    for model in catalog.models:
-        model.actor.save_prefix_cache()  # the actor has stopped: nothing races the save
-        model.actor.close()
+    catalog.close()  # the actors have stopped: nothing races the prefix cache saves
     log.info("stopped")
     return 0
 

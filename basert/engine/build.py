@@ -142,14 +142,10 @@ def plan_context(options: EngineOptions, config: DecoderConfig, available: int |
     (kv_memory, default KV_MEMORY_SHARE of `available` memory): a pool that was asked for and does not fit is a
     ContextSizeError, and so is a context beyond the trained one; a default pool shrinks to what fits, shared by
     paged slots (a default context no larger than it) or split between slots that reserve their context."""
-    k_type, v_type = kv_types(options, config)
-    row_bytes = config.num_key_value_heads * (k_type.row_bytes(config.head_dim) + v_type.row_bytes(config.head_dim))
-    per_token = config.kv_layers * row_bytes
+    per_token, window_bytes = kv_bytes(options, config)
     trained = config.trained_context
     asked = options.max_context or (options.context_total // options.n_slots if options.context_total else None)
     max_context = asked or trained or DEFAULT_CONTEXT
-    window_bytes = config.window_layers * row_bytes * BLOCK_SIZE * window_pool_blocks(
-        config.window, options.n_slots, options.token_budget, max_context)
     if trained and max_context > trained and options.within_trained:
         flag = ("-c/--ctx-size" if options.max_context == options.context_total else
                 "--max-context" if options.max_context else "-c/--ctx-size over the slots")
@@ -183,6 +179,29 @@ def plan_context(options: EngineOptions, config: DecoderConfig, available: int |
                  ", shared" if options.paged_kv else f", {share} per slot")
         pool, max_context = fits, min(max_context, share)
     return max_context, pool
+
+
+def kv_bytes(options: EngineOptions, config: DecoderConfig) -> tuple[int, int]:
+    """(KV bytes per token of context of the layers that keep every position, bytes of the sliding-window layers'
+    pool) for resolved options."""
+    k_type, v_type = kv_types(options, config)
+    row_bytes = config.num_key_value_heads * (k_type.row_bytes(config.head_dim) + v_type.row_bytes(config.head_dim))
+    asked = options.max_context or (options.context_total // options.n_slots if options.context_total else None)
+    max_context = asked or config.trained_context or DEFAULT_CONTEXT
+    window_bytes = config.window_layers * row_bytes * BLOCK_SIZE * window_pool_blocks(
+        config.window, options.n_slots, options.token_budget, max_context)
+    return config.kv_layers * row_bytes, window_bytes
+
+
+def planned_memory(path: str | Path, options: EngineOptions = EngineOptions()) -> int:
+    """Bytes a model will hold once built with `options`: its .base file (the weights, mapped whole) and the KV
+    pools `plan_context` gives it now. For deciding, before a load, whether it fits a memory budget."""
+    options = options.resolved()
+    with BaseFile(path, verify_checksums=False) as base:
+        config = read_config(base)
+    _, pool = plan_context(options, config)
+    per_token, window_bytes = kv_bytes(options, config)
+    return Path(path).stat().st_size + pool * per_token + window_bytes
 
 
 def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> Engine:

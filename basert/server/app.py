@@ -24,6 +24,7 @@ from basert.server.routes.anthropic import anthropic
 from basert.server.routes.embeddings import embeddings
 from basert.server.routes.files import files
 from basert.server.routes.llama import llama
+from basert.server.routes.models import models
 from basert.server.routes.openai import openai
 from basert.server.routes.operations import operations
 from basert.server.routes.responses import responses
@@ -31,7 +32,7 @@ from basert.server.routes.slots import slots
 from basert.server.state import ServerSettings, ServerState, server_state
 
 # Paths that hold other users' data or control the server: without an API key only loopback clients reach them.
-PROTECTED_PREFIXES = ("/slots", "/v1/files")
+PROTECTED_PREFIXES = ("/slots", "/v1/files", "/models/load", "/models/unload")
 CORS_ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110), as a header name must be
 STATE_CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -51,7 +52,7 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
     app.before_request(admit_request)
     app.after_request(finish_response)
     app.register_error_handler(Exception, handle_error)
-    for blueprint in (openai, llama, anthropic, responses, embeddings, slots, files, operations):
+    for blueprint in (openai, llama, anthropic, responses, embeddings, slots, files, operations, models):
         app.register_blueprint(blueprint)
     return app
 
@@ -107,8 +108,8 @@ async def admit_request() -> Response | None:
             return error_response(ApiError(401, "invalid or missing API key", type="authentication_error",
                                            code="invalid_api_key"))
     elif request.path.startswith(PROTECTED_PREFIXES) and not is_loopback(request.remote_addr):
-        return error_response(ApiError(401, "slot and file endpoints need --api-key when served beyond "
-                                       "loopback", type="authentication_error", code="invalid_api_key"))
+        return error_response(ApiError(401, "slot, file and model admin endpoints need --api-key when "
+                                       "served beyond loopback", type="authentication_error", code="invalid_api_key"))
     if state.limiter is not None:
         retry_after = state.limiter.retry_after(key if state.api_keys else (request.remote_addr or ""))
         if retry_after is not None:

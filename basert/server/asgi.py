@@ -18,6 +18,7 @@ import hypercorn.protocol
 import trio
 from hypercorn.protocol.h11 import H11Protocol
 
+from basert.server.catalog import REQUEST_HOLDS
 from basert.server.errors import ApiError
 
 # How long an HTTP/2 answer waits for the rest of a body it does not need.
@@ -37,7 +38,8 @@ def _declares_body(scope: dict) -> bool:
 
 
 class RequestGuard:
-    """Wraps the ASGI app: counts requests in flight, and keeps connections usable after early answers."""
+    """Wraps the ASGI app: counts requests in flight, releases the models each held when it ends (its stream
+    included), and keeps connections usable after early answers."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -83,9 +85,14 @@ class RequestGuard:
 
         self.in_flight += 1
         self._idle = trio.Event() if self.in_flight == 1 else self._idle
+        holds: list = []   # the models this request holds (the tasks serving it share the list)
+        token = REQUEST_HOLDS.set(holds)
         try:
             await self.app(scope, tracking_receive, guarded_send)
         finally:
+            REQUEST_HOLDS.reset(token)
+            for release in holds:
+                release()
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()

@@ -234,3 +234,10 @@ class DetokenizeRequest(Lenient):
 class SlotFileRequest(Lenient):
     filename: str | None = None
     file_id: str | None = None
+
+
+class ModelActionRequest(Lenient):
+    """POST /models/load and /models/unload (llama-server's router): the model, and for a load how long it stays."""
+
+    model: str = Field(min_length=1)
+    keep_alive: float | str | None = None

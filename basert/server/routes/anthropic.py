@@ -23,7 +23,7 @@ async def messages():
 @anthropic.post("/v1/messages/count_tokens")
 async def count_message_tokens():
     body = MessagesInput.model_validate(await request_json())
-    return count_tokens(server_state().catalog.resolve(body.model), body)
+    return count_tokens(await server_state().catalog.acquire(body.model), body)
 
 
 @anthropic.after_app_request

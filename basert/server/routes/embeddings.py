@@ -64,7 +64,7 @@ async def create_embeddings():
     record = RequestRecord()
     request.basert_record = record  # type: ignore[attr-defined]
     body = EmbeddingRequest.model_validate(await request_json())
-    model = server_state().catalog.resolve(body.model)
+    model = await server_state().catalog.acquire(body.model)
     record.model = model.info.id
     if body.dimensions is not None and body.dimensions != model.info.hidden_size:
         raise invalid(f"dimensions must be {model.info.hidden_size}, the width of {model.info.id}'s hidden "

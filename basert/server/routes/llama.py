@@ -25,7 +25,7 @@ async def completion():
 @llama.get("/props")
 async def get_props():
     state = server_state()
-    return props(state.catalog.resolve(request.args.get("model")), state.settings.limits)
+    return props(await state.catalog.acquire(request.args.get("model")), state.settings.limits)
 
 
 @llama.post("/props")
@@ -36,11 +36,11 @@ async def change_props():
 @llama.post("/apply-template")
 async def apply_template():
     body = ChatCompletionRequest.model_validate(await request_json())
-    return rendered_chat(server_state().catalog.resolve(body.model), body)
+    return rendered_chat(await server_state().catalog.acquire(body.model), body)
 
 
 @llama.post("/chat/completions/input_tokens")
 @llama.post("/v1/chat/completions/input_tokens")
 async def input_tokens():
     body = ChatCompletionRequest.model_validate(await request_json())
-    return chat_input_tokens(server_state().catalog.resolve(body.model), body)
+    return chat_input_tokens(await server_state().catalog.acquire(body.model), body)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from quart import Blueprint, Response, request
 
 from basert.server.access_log import RequestRecord, log_request
-from basert.server.catalog import ServedModel
+from basert.server.catalog import ModelEntry
 from basert.server.errors import invalid
 from basert.server.json_input import request_json
 from basert.server.openai_api import chat_completion, completion
@@ -46,7 +46,7 @@ async def generation_route(endpoint: str, schema, handler):
     record = RequestRecord()
     request.basert_record = record  # type: ignore[attr-defined]
     body = schema.model_validate(await request_json())
-    model = state.catalog.resolve(body.model)
+    model = await state.catalog.acquire(body.model)
     record.model = model.info.id
     return finish(endpoint, await handler(model, body, state.settings.limits, record), record)
 
@@ -62,27 +62,44 @@ async def completions():
     return await generation_route("/v1/completions", CompletionRequest, completion)
 
 
-def model_object(model: ServedModel) -> dict:
-    return {"id": model.info.id, "object": "model", "created": model.created, "owned_by": "basert",
-            "meta": {"n_ctx": model.info.n_ctx, "arch": model.info.arch, "slots": model.info.n_slots}}
+def model_object(entry: ModelEntry) -> dict:
+    """A servable model as /v1/models lists it: OpenAI's fields, its load state (as llama-server's router reports
+    it) and, when loaded, its context, architecture and slots."""
+    model = entry.served
+    status: dict = {"value": entry.state}
+    if entry.state == "loaded":
+        status["memory_bytes"] = entry.memory_bytes
+        status["expires_at"] = entry.expires_at_wall()
+    body = {"id": entry.name, "object": "model", "created": model.created if model else file_time(entry),
+            "owned_by": "basert", "aliases": sorted(entry.aliases - {entry.name}), "status": status}
+    if model is not None:
+        body["meta"] = {"n_ctx": model.info.n_ctx, "arch": model.info.arch, "slots": model.info.n_slots}
+    return body
+
+
+def file_time(entry: ModelEntry) -> int:
+    try:
+        return int(entry.path.stat().st_mtime) if entry.path is not None else 0
+    except OSError:
+        return 0
 
 
 @openai.get("/v1/models")
 @openai.get("/models")
 async def list_models():
-    return {"object": "list", "data": [model_object(m) for m in server_state().catalog.models]}
+    return {"object": "list", "data": [model_object(e) for e in server_state().catalog.entries]}
 
 
 @openai.get("/v1/models/<path:model_id>")
 async def get_model(model_id: str):
-    return model_object(server_state().catalog.named(model_id))
+    return model_object(server_state().catalog.entry(model_id))
 
 
 @openai.post("/v1/tokenize")
 @openai.post("/tokenize")
 async def tokenize():
     body = TokenizeRequest.model_validate(await request_json())
-    model = server_state().catalog.resolve(body.model)
+    model = await server_state().catalog.acquire(body.model)
     text = body.content if body.content is not None else body.prompt
     if text is None:
         raise invalid("content is required", "content")
@@ -98,7 +115,7 @@ async def tokenize():
 @openai.post("/detokenize")
 async def detokenize():
     body = DetokenizeRequest.model_validate(await request_json())
-    model = server_state().catalog.resolve(body.model)
+    model = await server_state().catalog.acquire(body.model)
     tokenizer = model.require_tokenizer()
     vocab = model.info.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):

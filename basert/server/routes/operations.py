@@ -21,6 +21,8 @@ async def metrics():
     state = server_state()
     if not state.settings.metrics_endpoint:
         raise not_supported("the metrics endpoint is off: the server was started with --no-metrics")
-    for model in state.catalog.models:
-        state.metrics.update_model(await model.ask(Stats))
+    for entry in state.catalog.entries:
+        model = state.catalog.hold_loaded(entry)
+        if model is not None:
+            state.metrics.update_model(await model.ask(Stats))
     return Response(state.metrics.render(), mimetype="text/plain; version=0.0.4")

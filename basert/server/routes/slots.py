@@ -24,8 +24,8 @@ SLOT_ID = re.compile(r"-?[0-9]{1,9}")
 slots = Blueprint("slots", __name__)
 
 
-def slot_model() -> ServedModel:
-    return server_state().catalog.resolve(request.args.get("model"))
+async def slot_model() -> ServedModel:
+    return await server_state().catalog.acquire(request.args.get("model"))
 
 
 def slot_id(raw: str) -> int:
@@ -45,7 +45,7 @@ async def list_slots():
     state = server_state()
     if not state.settings.slots_endpoint:
         raise not_supported("the slots endpoint is off: the server was started with --no-slots")
-    model = slot_model()
+    model = await slot_model()
     params = default_generation_settings(model, state.settings.limits)
     listed = [llama_slot(model, slot, params if slot["has_run"] else None) for slot in await model.ask(SlotList)]
     if "fail_on_no_slot" in request.args and all(slot["is_processing"] for slot in listed):
@@ -56,7 +56,7 @@ async def list_slots():
 @slots.post("/slots/<raw_id>/save")
 async def slot_save(raw_id: str):
     slot = slot_id(raw_id)
-    model = slot_model()
+    model = await slot_model()
     files = server_state().files()
     body = SlotFileRequest.model_validate(await optional_request_json())
     filename = body.filename or f"slot-{slot}.bin"
@@ -74,7 +74,7 @@ async def slot_save(raw_id: str):
 @slots.post("/slots/<raw_id>/restore")
 async def slot_restore(raw_id: str):
     slot = slot_id(raw_id)
-    model = slot_model()
+    model = await slot_model()
     files = server_state().files()
     body = SlotFileRequest.model_validate(await request_json())
     if not body.file_id:
@@ -89,7 +89,7 @@ async def slot_restore(raw_id: str):
 async def slot_erase(raw_id: str):
     slot = slot_id(raw_id)
     await erase_body()
-    result = await slot_model().ask(SlotErase, slot)
+    result = await (await slot_model()).ask(SlotErase, slot)
     return {"id_slot": result.slot, "n_erased": result.n_tokens}
 
 
@@ -105,7 +105,7 @@ async def slot_action(raw_id: str):
     action = request.args.get("action", "")
     if action not in ("save", "restore", "erase"):
         raise invalid(f"action must be save, restore or erase, got {action!r}", "action")
-    model = slot_model()
+    model = await slot_model()
     if action == "erase":
         await erase_body()
         result = await model.ask(SlotErase, slot)
