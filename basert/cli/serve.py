@@ -324,9 +324,9 @@ def load_model(path: Path, args: argparse.Namespace, *, on_demand: bool = False)
 
 def model_options(args: argparse.Namespace, on_demand: bool):
     """The engine options of a model named on the command line, or of one loaded on demand (which keeps its own
-    prefix cache file, PATH.<model id>, and uses the model's own chat template)."""
+    prefix cache file, PATH.<model id>, and whose context per slot is at most the one it was trained on)."""
     options = engine_options(args)
-    return replace(options, one_of_several=True) if on_demand else options
+    return replace(options, one_of_several=True, fit_trained=True) if on_demand else options
 
 
 def servable_entries(args: argparse.Namespace) -> list:

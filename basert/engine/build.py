@@ -45,7 +45,8 @@ class EngineOptions:
     kv_cache_tokens: int | None = None  # size of the paged pool (default: n_slots x max_context)
     context_total: int | None = None    # llama.cpp's -c: tokens of context over all slots (the pool's size)
     kv_memory: int | None = None        # bytes the KV pool may take (default: KV_MEMORY_SHARE of available memory)
-    within_trained: bool = False        # refuse a context beyond the model's trained one (the server does)
+    within_trained: bool = False        # refuse a context beyond the model's trained one (the server does) ...
+    fit_trained: bool = False           # ... or cut it to the trained one (a model the server loads on demand)
     cache_type_k: str = "f16"           # how K and V rows are stored: a name of basert._ext.kvtypes (llama.cpp's)
     cache_type_v: str = "f16"
     threads: int | None = None          # default: every core this process may run on
@@ -146,6 +147,8 @@ def plan_context(options: EngineOptions, config: DecoderConfig, available: int |
     trained = config.trained_context
     asked = options.max_context or (options.context_total // options.n_slots if options.context_total else None)
     max_context = asked or trained or DEFAULT_CONTEXT
+    if trained and max_context > trained and options.fit_trained:
+        max_context = trained
     if trained and max_context > trained and options.within_trained:
         flag = ("-c/--ctx-size" if options.max_context == options.context_total else
                 "--max-context" if options.max_context else "-c/--ctx-size over the slots")

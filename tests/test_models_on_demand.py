@@ -1,0 +1,245 @@
+"""Models loaded on demand by real `basert serve` processes on loopback, over a real models directory: SmolLM2
+(named on the command line), the tiny Qwen3.5-style hybrid and a damaged file, loaded when a request names them,
+within --max-loaded-models / --memory-budget, unloaded by LRU and by keep-alive; /models/load, /models/unload and
+`basert ps`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from basert.testing.client import answer, post
+from basert.testing.launcher import ServerProcess
+
+SMOLLM2 = "test/smollm2"
+HYBRID = "test/hybrid"
+BROKEN = "test/broken"
+FLAGS = ("-c", "1024", "-np", "2")
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+def install(models: Path, model_id: str, source: Path | None) -> Path:
+    """`source` as `<models>/<model_id>/default/model.base` (None: a damaged file of random bytes)."""
+    out = models / model_id / "default" / "model.base"
+    out.parent.mkdir(parents=True)
+    if source is None:
+        out.write_bytes(b"BASE" + bytes(range(256)) * 64)
+    else:
+        shutil.copyfile(source, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_base: Path, qwen35_chat_base: Path) -> Path:
+    models = tmp_path_factory.mktemp("on-demand") / "models"
+    install(models, SMOLLM2, smollm2_base)
+    install(models, HYBRID, qwen35_chat_base)
+    install(models, BROKEN, None)
+    return models
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A server of the models directory that keeps one model loaded at a time (SmolLM2 loaded at start)."""
+    log = tmp_path_factory.mktemp("one-at-a-time") / "server.log"
+    with ServerProcess(models_dir / SMOLLM2 / "default" / "model.base", *FLAGS, "--models-dir", str(models_dir),
+                       "--max-loaded-models", "1", log_path=log, env={"BASERT_MODELS_DIR": str(models_dir)}) as server:
+        yield server
+
+
+def complete(url: str, model: str, prompt: str = "The capital of France is", **extra) -> dict:
+    return answer(post(url, "/v1/completions", {"model": model, "prompt": prompt, **GREEDY, **extra}, timeout=300))
+
+
+def states(url: str) -> dict[str, str]:
+    return {m["id"]: m["status"]["value"] for m in answer(httpx.get(url + "/v1/models", timeout=30))["data"]}
+
+
+def rss(server: ServerProcess) -> int:
+    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def loads_of(server: ServerProcess, model_id: str) -> int:
+    return len(re.findall(rf"INFO basert\.models: loading {re.escape(model_id)}\n", server.log_text()))
+
+
+def test_every_model_of_the_directory_is_listed_and_the_named_one_loaded(one_at_a_time: ServerProcess):
+    listed = states(one_at_a_time.url)
+    assert listed[SMOLLM2] == "loaded"
+    assert listed[HYBRID] == listed[BROKEN] == "unloaded"
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in listed     # the pullable models, by id
+    aliases = {m["id"]: m["aliases"] for m in answer(httpx.get(one_at_a_time.url + "/v1/models"))["data"]}
+    assert "smollm2" in aliases["HuggingFaceTB/SmolLM2-135M-Instruct"]
+
+
+def test_alternating_requests_load_and_unload_without_mixing_models(one_at_a_time: ServerProcess):
+    url = one_at_a_time.url
+    first = {model: complete(url, model) for model in (SMOLLM2, HYBRID)}
+    assert first[SMOLLM2]["model"] == SMOLLM2 and first[HYBRID]["model"] == HYBRID
+    assert first[SMOLLM2]["choices"][0]["text"] != first[HYBRID]["choices"][0]["text"]
+    for _ in range(2):
+        for model in (SMOLLM2, HYBRID):
+            again = complete(url, model)
+            assert again["choices"][0]["text"] == first[model]["choices"][0]["text"]
+            loaded = [name for name, state in states(url).items() if state == "loaded"]
+            assert loaded == [model]
+
+
+def test_weights_are_freed_when_a_model_is_unloaded(one_at_a_time: ServerProcess, models_dir: Path):
+    url = one_at_a_time.url
+    complete(url, HYBRID)
+    assert answer(post(url, "/models/unload", {"model": HYBRID}))["unloaded"] is True
+    complete(url, SMOLLM2)
+    with_model = rss(one_at_a_time)
+    answer(post(url, "/models/unload", {"model": SMOLLM2}))
+    after_first_unload = rss(one_at_a_time)
+    weights = (models_dir / SMOLLM2 / "default" / "model.base").stat().st_size
+    assert with_model - after_first_unload > weights // 2
+    for _ in range(3):
+        for model in (HYBRID, SMOLLM2):
+            complete(url, model)
+            answer(post(url, "/models/unload", {"model": model}))
+    assert rss(one_at_a_time) < 1.1 * after_first_unload
+    assert set(states(url).values()) == {"unloaded"}
+
+
+def test_concurrent_first_requests_share_one_load(one_at_a_time: ServerProcess):
+    url = one_at_a_time.url
+    answer(post(url, "/models/unload", {"model": HYBRID}))
+    before = loads_of(one_at_a_time, HYBRID)
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda _: complete(url, HYBRID)["choices"][0]["text"], range(8)))
+    assert len(set(texts)) == 1
+    assert loads_of(one_at_a_time, HYBRID) == before + 1
+
+
+def test_a_long_request_is_not_cut_by_a_request_for_another_model(one_at_a_time: ServerProcess):
+    url = one_at_a_time.url
+    complete(url, SMOLLM2)
+    chunks: list[dict] = []
+    started = threading.Event()
+    finished_at: list[float] = []
+
+    def long_stream() -> None:
+        body = {"model": SMOLLM2, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    started.set()
+        finished_at.append(time.monotonic())
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    assert started.wait(120)
+    other = complete(url, HYBRID)
+    answered_at = time.monotonic()
+    thread.join(300)
+    assert other["model"] == HYBRID
+    text = "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk.get("choices"))
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length"
+    assert text == complete(url, SMOLLM2, "Once upon a time", max_tokens=200, ignore_eos=True)["choices"][0]["text"]
+    assert finished_at[0] <= answered_at   # the other model waited for the long request to end
+
+
+def test_a_damaged_model_fails_its_requests_only(one_at_a_time: ServerProcess):
+    url = one_at_a_time.url
+    for _ in range(2):
+        refused = post(url, "/v1/completions", {"model": BROKEN, "prompt": "Hi", "max_tokens": 2})
+        assert refused.status_code == 500
+        error = refused.json()["error"]
+        assert error["code"] == "model_load_failed" and BROKEN in error["message"]
+        assert "Traceback" not in error["message"]
+    assert states(url)[BROKEN] == "unloaded"
+    assert complete(url, SMOLLM2)["model"] == SMOLLM2
+
+
+def test_unknown_models_and_bad_admin_bodies_are_4xx(one_at_a_time: ServerProcess):
+    url = one_at_a_time.url
+    for body, status in [({"model": "no/such-model"}, 404), ({}, 400), ({"model": 3}, 400), ({"model": ""}, 400),
+                         ({"model": SMOLLM2, "keep_alive": "forever"}, 400),
+                         ({"model": SMOLLM2, "keep_alive": "99999h"}, 400)]:
+        for route in ("/models/load", "/models/unload"):
+            if route == "/models/unload" and "keep_alive" in body:
+                continue
+            response = post(url, route, body)
+            assert response.status_code == status, (route, body, response.text)
+            assert "error" in response.json()
+    assert httpx.get(url + "/v1/models/no-such-model").status_code == 404
+
+
+def test_load_unload_and_basert_ps(one_at_a_time: ServerProcess):
+    url = one_at_a_time.url
+    loaded = answer(post(url, "/models/load", {"model": HYBRID, "keep_alive": "-1"}))
+    assert loaded["model"]["status"]["value"] == "loaded"
+    table = subprocess.run([sys.executable, "-m", "basert", "ps", "--url", url], capture_output=True, text=True,
+                           timeout=60, check=True).stdout
+    rows = table.splitlines()
+    assert rows[0].split()[:2] == ["NAME", "STATE"] and len(rows) == 2
+    assert rows[1].split()[0] == HYBRID and "forever" in rows[1] and "MiB" in rows[1]
+    answer(post(url, "/models/unload", {"model": HYBRID}))
+    everything = subprocess.run([sys.executable, "-m", "basert", "ps", "--all", "--url", url], capture_output=True,
+                                text=True, timeout=60, check=True).stdout
+    assert re.search(rf"^{re.escape(HYBRID)}\s+unloaded", everything, re.M)
+
+
+def test_a_busy_server_refuses_after_the_queue_timeout_and_idle_models_expire(
+        models_dir: Path, tmp_path: Path):
+    """One model at a time, a 2 s queue timeout and a 1 s keep-alive: a request for another model while a long one
+    runs gets 503 with Retry-After; a model loaded on demand is unloaded a second after its last request."""
+    with ServerProcess(models_dir / SMOLLM2 / "default" / "model.base", "-c", "8192", "-np", "2", "--models-dir",
+                       str(models_dir), "--max-loaded-models", "1", "--queue-timeout", "2", "--keep-alive", "1s",
+                       log_path=tmp_path / "server.log", env={"BASERT_MODELS_DIR": str(models_dir)}) as server:
+        url = server.url
+        # Long enough to outlast the queue timeout on any machine; the client closes it once it has its answer.
+        body = {"model": SMOLLM2, "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
+            lines = response.iter_lines()   # kept: a dropped iterator would close the stream
+            assert next(lines).startswith("data: ")
+            refused = post(url, "/v1/completions", {"model": HYBRID, "prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 503 and refused.headers["Retry-After"]
+            assert refused.json()["error"]["code"] == "model_busy"
+        assert complete(url, HYBRID)["model"] == HYBRID
+        deadline = time.monotonic() + 60
+        while states(url)[HYBRID] != "unloaded":
+            assert time.monotonic() < deadline, "the keep-alive did not unload the model"
+            time.sleep(0.2)
+
+
+def test_the_memory_budget_unloads_idle_models_and_refuses_one_that_cannot_fit(
+        one_at_a_time: ServerProcess, models_dir: Path, tmp_path: Path):
+    """With no limit on the count, a budget that holds either model but not both: loading one unloads the other;
+    a budget below a model's size refuses it with the reason."""
+    size = {}
+    for model in (SMOLLM2, HYBRID):
+        loaded = answer(post(one_at_a_time.url, "/models/load", {"model": model}))["model"]
+        size[model] = loaded["status"]["memory_bytes"]
+    budget = max(size.values()) + min(size.values()) // 2
+    with ServerProcess(models_dir / SMOLLM2 / "default" / "model.base", *FLAGS, "--models-dir", str(models_dir),
+                       "--max-loaded-models", "0", "--memory-budget", str(budget),
+                       log_path=tmp_path / "budget.log", env={"BASERT_MODELS_DIR": str(models_dir)}) as server:
+        for model in (HYBRID, SMOLLM2, HYBRID):
+            assert complete(server.url, model)["model"] == model
+            assert [name for name, state in states(server.url).items() if state == "loaded"] == [model]
+    small = min(size.values()) - 1
+    with ServerProcess(models_dir / HYBRID / "default" / "model.base", *FLAGS, "--models-dir", str(models_dir),
+                       "--memory-budget", str(small), log_path=tmp_path / "small.log",
+                       env={"BASERT_MODELS_DIR": str(models_dir)}) as server:
+        refused = post(server.url, "/v1/completions", {"model": SMOLLM2, "prompt": "Hi", "max_tokens": 2})
+        assert refused.status_code == 500 and "--memory-budget" in refused.json()["error"]["message"]
+        assert complete(server.url, HYBRID)["model"] == HYBRID
