@@ -243,3 +243,17 @@ def test_the_memory_budget_unloads_idle_models_and_refuses_one_that_cannot_fit(
         refused = post(server.url, "/v1/completions", {"model": SMOLLM2, "prompt": "Hi", "max_tokens": 2})
         assert refused.status_code == 500 and "--memory-budget" in refused.json()["error"]["message"]
         assert complete(server.url, HYBRID)["model"] == HYBRID
+
+
+def test_an_unloaded_model_comes_back_with_its_prefix_cache(models_dir: Path, tmp_path: Path):
+    prompt = "A prompt long enough to fill a few blocks of the prefix cache. " * 8
+    with ServerProcess(models_dir / SMOLLM2 / "default" / "model.base", *FLAGS, "--models-dir", str(models_dir),
+                       "--prefix-cache-file", str(tmp_path / "prefix.cache"), log_path=tmp_path / "server.log",
+                       env={"BASERT_MODELS_DIR": str(models_dir)}) as server:
+        first = complete(server.url, HYBRID, prompt)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        answer(post(server.url, "/models/unload", {"model": HYBRID}))
+        assert (tmp_path / f"prefix.cache.{HYBRID.replace('/', '--')}").is_file()
+        again = complete(server.url, HYBRID, prompt)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
