@@ -257,3 +257,15 @@ def test_an_unloaded_model_comes_back_with_its_prefix_cache(models_dir: Path, tm
         again = complete(server.url, HYBRID, prompt)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_metrics_say_which_models_are_loaded(one_at_a_time: ServerProcess):
+    url = one_at_a_time.url
+    complete(url, SMOLLM2)
+    assert f'basert_busy_slots{{model="{SMOLLM2}"}}' in httpx.get(url + "/metrics").text
+    complete(url, HYBRID)
+    text = httpx.get(url + "/metrics").text
+    assert f'basert_model_loaded{{model="{HYBRID}"}} 1.0' in text
+    assert f'basert_model_loaded{{model="{SMOLLM2}"}} 0.0' in text
+    assert re.search(rf'basert_model_memory_bytes{{model="{re.escape(HYBRID)}"}} [1-9]', text)
+    assert f'basert_busy_slots{{model="{SMOLLM2}"}}' not in text

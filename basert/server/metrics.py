@@ -51,6 +51,28 @@ class ServerMetrics:
         self.prefix_save_failures = Gauge("basert_prefix_cache_save_failures", "failed prefix cache file saves",
                                           ["model"], registry=self.registry)
 
+        self.model_loaded = Gauge("basert_model_loaded", "1 if the model is loaded, 0 if it is served on demand",
+                                  ["model"], registry=self.registry)
+        self.model_memory = Gauge("basert_model_memory_bytes", "bytes a loaded model holds (weights and KV pools)",
+                                  ["model"], registry=self.registry)
+        # The gauges an actor's Stats reply sets: gone with the model when it is unloaded.
+        self.model_gauges = (self.busy_slots, self.waiting, self.kv_blocks_used, self.kv_blocks_total,
+                             self.kv_window_blocks_used, self.kv_window_blocks_total, self.kv_bytes,
+                             self.prefix_queries, self.prefix_hit_tokens, self.prefix_blocks_cached,
+                             self.prefix_snapshots, self.prefix_save_failures, self.model_memory)
+
+    def set_loaded(self, model: str, memory_bytes: int | None) -> None:
+        """Whether a servable model is loaded (`memory_bytes` its size) or not (None: its gauges are dropped)."""
+        self.model_loaded.labels(model).set(memory_bytes is not None)
+        if memory_bytes is not None:
+            self.model_memory.labels(model).set(memory_bytes)
+            return
+        for gauge in self.model_gauges:
+            try:
+                gauge.remove(model)
+            except KeyError:
+                pass
+
     def update_model(self, stats: dict) -> None:
         """Set the per-model gauges from an actor's Stats reply."""
         model = stats["model"]

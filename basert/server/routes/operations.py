@@ -23,6 +23,7 @@ async def metrics():
         raise not_supported("the metrics endpoint is off: the server was started with --no-metrics")
     for entry in state.catalog.entries:
         model = state.catalog.hold_loaded(entry)
+        state.metrics.set_loaded(entry.name, entry.memory_bytes if model is not None else None)
         if model is not None:
             state.metrics.update_model(await model.ask(Stats))
     return Response(state.metrics.render(), mimetype="text/plain; version=0.0.4")
