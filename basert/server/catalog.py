@@ -117,6 +117,7 @@ class ModelEntry:
     load_error: Exception | None = None
     loaded: trio.Event | None = None           # set when a load in progress ends (either way)
     actor_scope: trio.CancelScope | None = None
+    actor_stopped: trio.Event | None = None    # set once its actor's task has ended (its last step done)
     loads: int = 0                             # times it was loaded
 
     @property
@@ -295,9 +296,7 @@ class ModelCatalog:
                 continue
             entry.state, entry.loaded, entry.load_error = "loading", trio.Event(), None
             try:
-                async with self._load_lock:
-                    await self._make_room(entry)
-                    served = await self._load(entry)
+                served = await self._load_in_turn(entry)
             except ApiError:          # no room in time: the next request tries again
                 entry.state = "unloaded"
                 raise
@@ -314,6 +313,20 @@ class ModelCatalog:
             self.add(served, entry=entry)
             entry.loaded.set()
 
+    async def _load_in_turn(self, entry: ModelEntry) -> ServedModel:
+        """Wait for the other loads, make room, load: the waits end at the queue timeout (a 503), the load itself
+        is never cut."""
+        deadline = trio.current_time() + self.policy.queue_timeout
+        with trio.move_on_at(deadline) as waiting:
+            await self._load_lock.acquire()
+        if waiting.cancelled_caught:
+            raise no_room(entry, self.policy)
+        try:
+            await self._make_room(entry, deadline)
+            return await self._load(entry)
+        finally:
+            self._load_lock.release()
+
     async def _load(self, entry: ModelEntry) -> ServedModel:
         if self.loader is None:
             raise ModelLoadError(f"model {entry.name} is not loaded and this server loads no model on demand")
@@ -324,15 +337,14 @@ class ModelCatalog:
                  memory_of(served) / 2**20)
         return served
 
-    async def _make_room(self, entry: ModelEntry) -> None:
+    async def _make_room(self, entry: ModelEntry, deadline: float) -> None:
         """Unload idle models (least recently used first) until `entry` fits the count and the memory budget;
-        wait for one to become idle when none is, up to the queue timeout (then a 503 with Retry-After)."""
+        wait for one to become idle when none is, up to `deadline` (then a 503 with Retry-After)."""
         policy = self.policy
         need = entry.memory_bytes or (entry.estimate() if entry.estimate else entry.file_bytes)
         if policy.memory_budget and need > policy.memory_budget:
             raise ModelLoadError(f"model {entry.name} needs about {need / 2**20:.0f} MiB, more than the "
                                  f"--memory-budget of {policy.memory_budget / 2**20:.0f} MiB")
-        deadline = trio.current_time() + policy.queue_timeout
         while True:
             loaded = [e for e in self.entries if e.state in ("loaded", "unloading") and e is not entry]
             used = sum(e.memory_bytes for e in loaded)
@@ -348,9 +360,7 @@ class ModelCatalog:
             with trio.move_on_at(deadline):
                 await changed.wait()
             if trio.current_time() >= deadline:
-                raise unavailable(f"model {entry.name} cannot be loaded: the loaded models are all in use "
-                                  f"(--max-loaded-models {policy.max_loaded or 'unlimited'}, --memory-budget "
-                                  f"{policy.memory_budget or 'unlimited'})", "model_busy", retry_after=5)
+                raise no_room(entry, policy)
 
     async def unload(self, entry: ModelEntry) -> bool:
         """Unload `entry` (its actor stopped, its prefix cache file saved, its memory released); False if it was
@@ -361,6 +371,7 @@ class ModelCatalog:
         served = entry.served
         if entry.actor_scope is not None:
             entry.actor_scope.cancel()
+            await entry.actor_stopped.wait()   # a step running in its thread finishes before the engine closes
         try:
             await trio.to_thread.run_sync(close_model, served)
         finally:
@@ -411,9 +422,13 @@ class ModelCatalog:
             self.entries.remove(entry)
 
     async def _run_actor(self, entry: ModelEntry) -> None:
-        with trio.CancelScope() as scope:
-            entry.actor_scope = scope
-            await entry.served.actor.run()
+        entry.actor_stopped = stopped = trio.Event()
+        try:
+            with trio.CancelScope() as scope:
+                entry.actor_scope = scope
+                await entry.served.actor.run()
+        finally:
+            stopped.set()
 
     # --- the server's life ------------------------------------------------------------------
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -516,6 +531,14 @@ def close_model(model: ServedModel) -> None:
         return
     model.actor.save_prefix_cache()
     model.actor.close()
+
+
+def no_room(entry: ModelEntry, policy: LoadPolicy) -> ApiError:
+    """The 503 of a request whose model could not be loaded in time: the loaded models were all in use."""
+    budget = f"{policy.memory_budget / 2**20:.0f} MiB" if policy.memory_budget else "none"
+    return unavailable(f"model {entry.name} cannot be loaded now: the loaded models are all in use "
+                       f"(--max-loaded-models {policy.max_loaded or 'unlimited'}, --memory-budget {budget})",
+                       "model_busy", retry_after=5)
 
 
 def load_failure(entry: ModelEntry) -> ApiError:
