@@ -269,3 +269,19 @@ def test_metrics_say_which_models_are_loaded(one_at_a_time: ServerProcess):
     assert f'basert_model_loaded{{model="{SMOLLM2}"}} 0.0' in text
     assert re.search(rf'basert_model_memory_bytes{{model="{re.escape(HYBRID)}"}} [1-9]', text)
     assert f'basert_busy_slots{{model="{SMOLLM2}"}}' not in text
+
+
+def test_concurrent_requests_for_two_models_all_succeed_unmixed(one_at_a_time: ServerProcess):
+    """Eight clients at once, each alternating between the two models, with one model loaded at a time: every
+    request succeeds with its own model's answer (loads and unloads happen between the requests that hold them)."""
+    url = one_at_a_time.url
+    expected = {model: complete(url, model)["choices"][0]["text"] for model in (SMOLLM2, HYBRID)}
+
+    def client(index: int) -> list[tuple[str, str]]:
+        order = (SMOLLM2, HYBRID) if index % 2 else (HYBRID, SMOLLM2)
+        return [(model, complete(url, model)["choices"][0]["text"]) for model in order * 2]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = [pair for pairs in pool.map(client, range(8)) for pair in pairs]
+    assert len(answers) == 32
+    assert all(text == expected[model] for model, text in answers)
