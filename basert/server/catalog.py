@@ -13,6 +13,7 @@ its request ends). Models loaded at start keep no idle deadline unless a request
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import gc
 import logging
 import math
@@ -378,7 +379,7 @@ class ModelCatalog:
             entry.served, entry.actor_scope, entry.expires_at = None, None, None
             entry.state, entry.keep_alive = "unloaded", None
             del served
-            gc.collect()
+            release_freed_memory()
             entry.loaded.set()
             self._notify()
         log.info("unloaded %s", entry.name)
@@ -498,6 +499,16 @@ def remove_model_file(path: Path) -> None:
             folder.rmdir()
         except OSError:
             break
+
+
+def release_freed_memory() -> None:
+    """Collect the unloaded model's objects and hand the heap pages they freed back to the system (glibc keeps
+    freed pages of its arenas otherwise, and a process that loads model after model would only grow)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        pass
 
 
 def same_file(a: Path, b: Path) -> bool:
