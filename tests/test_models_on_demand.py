@@ -285,3 +285,35 @@ def test_concurrent_requests_for_two_models_all_succeed_unmixed(one_at_a_time: S
         answers = [pair for pairs in pool.map(client, range(8)) for pair in pairs]
     assert len(answers) == 32
     assert all(text == expected[model] for model, text in answers)
+
+
+def test_a_waiting_load_is_not_starved_by_new_requests_for_the_loaded_model(one_at_a_time: ServerProcess):
+    """While a load waits for the loaded model to become idle, later requests for the loaded model queue behind it:
+    the model asked for first is answered first."""
+    url = one_at_a_time.url
+    complete(url, SMOLLM2)
+    answered: dict[str, float] = {}
+    streaming = threading.Event()
+
+    def long_request() -> None:
+        body = {"model": SMOLLM2, "prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
+            for _ in response.iter_lines():
+                streaming.set()
+
+    def timed(label: str, model: str) -> None:
+        complete(url, model)
+        answered[label] = time.monotonic()
+
+    long = threading.Thread(target=long_request)
+    long.start()
+    assert streaming.wait(120)
+    other = threading.Thread(target=timed, args=("other model", HYBRID))
+    other.start()
+    time.sleep(0.5)   # the other model's load is waiting for room by now
+    later = threading.Thread(target=timed, args=("loaded model, later", SMOLLM2))
+    later.start()
+    for thread in (long, other, later):
+        thread.join(300)
+    assert answered["other model"] < answered["loaded model, later"]

@@ -152,6 +152,7 @@ class ModelCatalog:
         self._changed = trio.Event()           # set (and replaced) when a model is released or unloaded
         self._load_lock = trio.Lock()           # one load at a time: memory is judged with the others done
         self._wake_reaper = trio.Event()
+        self.room_wanted: ModelEntry | None = None   # the model whose load waits for a loaded one to become idle
 
     # --- what is served ---------------------------------------------------------------------
     @property
@@ -246,6 +247,15 @@ class ModelCatalog:
         request ends; None: as before, the server's default for a model loaded on demand); `strict`: see
         `entry_for`."""
         entry = self.entry_for(name, strict=strict)
+        deadline = trio.current_time() + self.policy.queue_timeout
+        while self.room_wanted not in (None, entry) and entry.state == "loaded":
+            # A load waits for the loaded models, all in use, to become idle: new requests for them queue behind
+            # it, so that steady traffic to one model never starves another.
+            changed = self._changed
+            with trio.move_on_at(deadline):
+                await changed.wait()
+            if trio.current_time() >= deadline:
+                raise no_room(self.room_wanted or entry, self.policy)
         self._hold(entry, keep_alive=keep_alive)
         await self.ensure_loaded(entry)
         entry.last_used = current_time()
@@ -358,8 +368,13 @@ class ModelCatalog:
                 await self.unload(min(idle, key=lambda e: e.last_used))
                 continue
             changed = self._changed
-            with trio.move_on_at(deadline):
-                await changed.wait()
+            self.room_wanted = entry
+            try:
+                with trio.move_on_at(deadline):
+                    await changed.wait()
+            finally:
+                self.room_wanted = None
+                self._notify()
             if trio.current_time() >= deadline:
                 raise no_room(entry, policy)
 
