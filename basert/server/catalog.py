@@ -407,10 +407,10 @@ class ModelCatalog:
         from basert.convert.default_model import find_pullable, pull_model
         from basert.models_dir import ModelPackageError
 
-        pullable = find_pullable(entry.spec or entry.name)
+        if entry.path is not None and entry.path.is_file():
+            return False
+        pullable = find_pullable(entry.spec) if entry.spec else None
         if pullable is None:
-            if entry.path is not None and entry.path.is_file():
-                return False
             raise ModelLoadError(f"model {entry.name} cannot be pulled here")
         async with self._load_lock:
             try:
