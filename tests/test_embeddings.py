@@ -179,6 +179,35 @@ def test_an_embedding_is_the_same_alone_and_in_a_batch(name: str, engines: dict[
     assert np.array_equal(chunked[0], alone[2]) and np.array_equal(chunked[1], alone[0])
 
 
+@pytest.mark.parametrize("name", ["smollm2", "hybrid"])
+def test_a_long_embedding_runs_a_forward_at_a_time_between_generation_steps(name: str, paths: dict[str, Path],
+                                                                            engines: dict[str, Engine]):
+    """A job started with `start_embedding` feeds one token budget per step: generation steps run between its
+    steps (a long input never holds the model for its whole prefill), the vectors are the reference engine's, and
+    the generation's tokens are those it gives alone."""
+    engine = build_engine(paths[name], EngineOptions(max_context=1024, threads=THREADS, continuous_batching=True,
+                                                     n_slots=2, token_budget=TEST_BUDGET))
+    try:
+        prompt = encode(engine, TEXT)
+        alone, _ = greedy(engine, prompt, max_tokens=6)
+        inputs = [encode(engine, LONG) * 3, encode(engine, OTHER)]
+        assert len(inputs[0]) > 3 * TEST_BUDGET
+        job = engine.start_embedding(inputs)
+        request = GenerationRequest("beside", prompt, 6, SamplingParams(temperature=0.0), ignore_eos=True)
+        engine.admit(request, engine.slot_for(request))
+        tokens, job_steps, done = [], 0, False
+        while not done or engine.has_work:
+            if not done:
+                done = job.step()
+                job_steps += 1
+            if engine.has_work:
+                tokens += [e.token_id for e in engine.step(engine.plan()) if isinstance(e, TokenEvent)]
+        assert job_steps >= 4 and tokens == alone
+        assert np.array_equal(job.vectors, engines[name].embed(inputs))
+    finally:
+        engine.close()
+
+
 # Each KV mode on one of the two models by default (the prefix cache on the hybrid, whose recurrent states it keeps
 # too); `-m slow` runs each mode on the other model as well.
 FAST_KV_MODES = {("smollm2", "contiguous"), ("smollm2", "continuous-batching"), ("hybrid", "paged"),

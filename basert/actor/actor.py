@@ -17,7 +17,6 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import trio
 
 from basert.actor.messages import (
@@ -33,6 +32,7 @@ from basert.actor.messages import (
     SlotSave,
     Stats,
 )
+from basert.engine.embeddings import EmbeddingJob
 from basert.engine.engine import Engine
 from basert.engine.saved_state import PrefixCacheFileError
 from basert.engine.types import Event, FailEvent, FinishEvent, TokenEvent
@@ -94,11 +94,10 @@ class Queued:
 
 @dataclass(slots=True)
 class Embedding:
-    """An Embed message being computed: its vectors so far and the batches of inputs still to run."""
+    """An Embed message being computed, a forward at a time."""
 
     message: Embed
-    vectors: np.ndarray
-    batches: deque[list[int]]
+    job: EmbeddingJob
 
 
 @dataclass(slots=True)
@@ -341,26 +340,26 @@ class ModelActor:
             self.refused += 1
             answer(message.reply, ServerBusyError(self.max_queued, retry_after=1))
             return
-        vectors = np.empty((len(message.token_lists), self.info.hidden_size), dtype=np.float32)
-        self.embeddings.append(Embedding(message, vectors, deque(self.engine.embedding_batches(message.token_lists))))
+        self.embeddings.append(Embedding(message, self.engine.start_embedding(message.token_lists, message.pooling)))
 
     async def _embed_next(self) -> None:
-        """Run the next batch of the oldest embedding request; answer it after its last batch (or a failure).
-        A request whose client has gone is dropped."""
-        job = self.embeddings[0]
-        message = job.message
+        """Run the next forward of the oldest embedding request (a long input takes several, with generation
+        steps between them); answer it after its last one (or a failure). A request whose client has gone is
+        dropped."""
+        job = self.embeddings[0].job
+        message = self.embeddings[0].message
         if message.reply.statistics().open_receive_channels == 0:
             self.embeddings.popleft()
+            job.close()
             return
-        batch = job.batches.popleft()
-        inputs = [message.token_lists[i] for i in batch]
         try:
-            job.vectors[batch] = await trio.to_thread.run_sync(self.engine.embed, inputs, message.pooling)
+            done = await trio.to_thread.run_sync(job.step)
         except Exception as exc:
             self.embeddings.popleft()
+            job.close()
             answer(message.reply, exc)
             return
-        if not job.batches:
+        if done:
             self.embeddings.popleft()
             answer(message.reply, job.vectors)
 

@@ -8,6 +8,7 @@ same result whatever the batch or chunk split, so an input's vector does not dep
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -59,30 +60,85 @@ def input_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     return batches
 
 
+class EmbeddingRun:
+    """The final norm's output at every position of each token list run as a fresh sequence, [n_i, hidden]
+    float32 in `states`, computed one forward of at most `token_budget` tokens per `step()`: a driver that
+    interleaves the steps with generation keeps it moving while a long input is embedded. `private`: the KV
+    lives in pools of the run's own (needed when other forwards run between the steps), else in the shared pools
+    when their free lists hold it. `close()` releases the KV."""
+
+    def __init__(self, runner: ModelRunner, token_lists: Sequence[Sequence[int]], token_budget: int, *,
+                 private: bool = False):
+        self.runner, self.token_lists, self.token_budget = runner, token_lists, token_budget
+        n_blocks = sum(blocks_for(len(tokens)) for tokens in token_lists)
+        n_window = sum(runner.window_blocks_for(len(tokens), token_budget) for tokens in token_lists)
+        self.space = runner.scratch_space(n_blocks, n_window, private=private)
+        self.sequences = [runner.new_sequence() for _ in token_lists]
+        self.states = [np.empty((len(tokens), runner.hidden_size), dtype=np.float32) for tokens in token_lists]
+
+    def step(self) -> bool:
+        """Feed the next token budget; True once every list is done (then there is nothing left to feed)."""
+        fed, room = [], self.token_budget
+        for index, tokens in enumerate(self.token_lists):
+            take = min(len(tokens) - self.sequences[index].n_past, room)
+            if take > 0:
+                fed.append((index, self.sequences[index].n_past, take))
+                room -= take
+        if not fed:
+            return True
+        requests = [ForwardRequest(self.sequences[i], self.token_lists[i][start: start + take], "all")
+                    for i, start, take in fed]
+        for (i, start, take), rows in zip(fed, self.runner.forward(requests, hidden=True, space=self.space)):
+            self.states[i][start: start + take] = rows
+        return all(sequence.n_past == len(tokens) for sequence, tokens in zip(self.sequences, self.token_lists))
+
+    def close(self) -> None:
+        for sequence in self.sequences:
+            sequence.reset(self.space.pool, self.space.window_pool)
+
+
 def hidden_states(runner: ModelRunner, token_lists: Sequence[Sequence[int]], token_budget: int) -> list[np.ndarray]:
     """The final norm's output at every position of each token list run as a fresh sequence, [n_i, hidden]
     float32; the forwards feed at most token_budget tokens each."""
-    space = runner.scratch_space(sum(blocks_for(len(tokens)) for tokens in token_lists),
-                                 sum(runner.window_blocks_for(len(tokens), token_budget) for tokens in token_lists))
-    sequences = [runner.new_sequence() for _ in token_lists]
-    states = [np.empty((len(tokens), runner.hidden_size), dtype=np.float32) for tokens in token_lists]
+    run = EmbeddingRun(runner, token_lists, token_budget)
     try:
-        while True:
-            fed, room = [], token_budget
-            for index, tokens in enumerate(token_lists):
-                take = min(len(tokens) - sequences[index].n_past, room)
-                if take > 0:
-                    fed.append((index, sequences[index].n_past, take))
-                    room -= take
-            if not fed:
-                return states
-            requests = [ForwardRequest(sequences[i], token_lists[i][start: start + take], "all")
-                        for i, start, take in fed]
-            for (i, start, take), rows in zip(fed, runner.forward(requests, hidden=True, space=space)):
-                states[i][start: start + take] = rows
+        while not run.step():
+            pass
+        return run.states
     finally:
-        for sequence in sequences:
-            sequence.reset(space.pool, space.window_pool)
+        run.close()
+
+
+class EmbeddingJob:
+    """The vectors of inputs that `check_inputs` accepted, [len(token_lists), hidden] float32 in `vectors`,
+    computed one forward per `step()`: the inputs in the groups of `input_batches`, each an EmbeddingRun (with KV
+    of its own when it takes more than one step, so that other forwards may run between the steps)."""
+
+    def __init__(self, runner: ModelRunner, token_lists: Sequence[Sequence[int]], token_budget: int, pooling: str):
+        self.runner, self.token_lists, self.token_budget, self.pooling = runner, token_lists, token_budget, pooling
+        self.vectors = np.empty((len(token_lists), runner.hidden_size), dtype=np.float32)
+        self.batches = deque(input_batches([len(tokens) for tokens in token_lists], token_budget))
+        self.run: EmbeddingRun | None = None
+
+    def step(self) -> bool:
+        """One forward; True once every vector is in `vectors`."""
+        batch = self.batches[0]
+        if self.run is None:
+            inputs = [self.token_lists[i] for i in batch]
+            self.run = EmbeddingRun(self.runner, inputs, self.token_budget,
+                                    private=sum(map(len, inputs)) > self.token_budget)
+        if self.run.step():
+            for index, state in zip(batch, self.run.states):
+                self.vectors[index] = pooled(state, self.pooling)
+            self.close()
+            self.batches.popleft()
+        return not self.batches
+
+    def close(self) -> None:
+        """Release the KV of the run in progress (the job is abandoned, or its run is done)."""
+        if self.run is not None:
+            self.run.close()
+            self.run = None
 
 
 def pooled(states: np.ndarray, pooling: str) -> np.ndarray:

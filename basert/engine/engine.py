@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from basert.engine.drafts import DEFAULT_DRAFT_MAX, NGRAM_SIZES, Drafter, SharedNgrams, StepCosts
-from basert.engine.embeddings import POOLINGS, check_inputs, hidden_states, input_batches, pooled
+from basert.engine.embeddings import POOLINGS, EmbeddingJob, check_inputs, hidden_states, input_batches, pooled
 from basert.engine.info import ModelInfo
 from basert.engine.kv import BLOCK_SIZE, blocks_for
 from basert.engine.output import RequestOutput
@@ -461,15 +461,25 @@ class Engine:
         input): a driver that interleaves them with steps keeps generation moving."""
         return input_batches([len(tokens) for tokens in token_lists], self.token_budget)
 
+    def start_embedding(self, token_lists: list[list[int]], pooling: str | None = None) -> EmbeddingJob:
+        """`embed` of inputs that `check_embedding` accepted, one token budget per `EmbeddingJob.step()`, for a
+        driver that runs generation steps in between (its KV is its own, so those steps cannot disturb it); the
+        vectors are the bits `embed` gives."""
+        return EmbeddingJob(self.runner, token_lists, self.token_budget, self.pooling_of(pooling))
+
+    def pooling_of(self, pooling: str | None) -> str:
+        pooling = pooling or self.info.pooling
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
+        return pooling
+
     def embed(self, token_lists: list[list[int]], pooling: str | None = None) -> np.ndarray:
         """L2-normalised embeddings [len(token_lists), hidden] float32: each input's last hidden states (the
         final norm's output) pooled by `pooling` ("mean", "last", "cls"; default: the model's). Each input
         runs as a fresh scratch sequence: no slot, cached block or recurrent state is touched, and an input's
         vector is the same alone or with others."""
         self.check_embedding(token_lists)
-        pooling = pooling or self.info.pooling
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
+        pooling = self.pooling_of(pooling)
         vectors = np.empty((len(token_lists), self.runner.hidden_size), dtype=np.float32)
         for batch in self.embedding_batches(token_lists):
             states = hidden_states(self.runner, [token_lists[i] for i in batch], self.token_budget)

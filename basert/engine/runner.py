@@ -233,13 +233,13 @@ class ModelRunner:
         """The shared pools and KV tensors."""
         return KVSpace(self.pool, self.window_pool, self.kv)
 
-    def scratch_space(self, n_blocks: int, n_window_blocks: int = 0) -> KVSpace:
+    def scratch_space(self, n_blocks: int, n_window_blocks: int = 0, *, private: bool = False) -> KVSpace:
         """Where scratch sequences of n_blocks blocks in all (and n_window_blocks of the window pool) may keep
         their KV without disturbing anyone: the shared pools when their free lists hold them (never an evicted
-        cached block, never an idle slot's history), else private pools of exactly that many, dropped with the
-        space."""
+        cached block, never an idle slot's history) unless `private`, else private pools of exactly that many,
+        dropped with the space."""
         window_free = self.window_pool.n_free if self.window_pool is not None else 0
-        if self.pool.n_free >= n_blocks and window_free >= n_window_blocks:
+        if not private and self.pool.n_free >= n_blocks and window_free >= n_window_blocks:
             return self.space()
         n_window_blocks = n_window_blocks if self.window else 0
         return KVSpace(BlockPool(n_blocks), BlockPool(n_window_blocks) if self.window else None,
