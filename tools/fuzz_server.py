@@ -6,9 +6,13 @@
 
 Routes: OpenAI's (chat, completions, models, tokenize, detokenize, files, embeddings, responses with GET/DELETE
 of a stored one), Anthropic's /v1/messages and its count_tokens, llama.cpp's (/completion[s], /props,
-/apply-template, [/v1]/chat/completions/input_tokens), /slots, /health and /metrics. Generations stay short: a
-budget (max_tokens, n_predict, max_output_tokens) of at most 8, unless a mutation chose it (then streamed and
-dropped after two events).
+/apply-template, [/v1]/chat/completions/input_tokens), Ollama's (/api/chat, /api/generate, /api/embed[dings],
+/api/tags, /api/show, /api/ps, /api/pull, /api/delete, /api/version, and the root), the model admin routes
+(/models/load, /models/unload: unloads of unknown names only), /slots, /health and /metrics.
+Generations stay short: a budget (max_tokens, n_predict, max_output_tokens, Ollama's options.num_predict) of at
+most 8, unless a mutation chose it (then streamed and dropped after two events or lines). Ollama's pull and delete
+name only the served model (pulling an installed model is a no-op) or unknown ones: a run never deletes or
+converts a model of the models directory.
 
 Requests: bodies drawn from the pydantic request schemas (`model_json_schema()` turned into hypothesis
 strategies by hypothesis-jsonschema, a pool per schema drawn with a fixed hypothesis seed) and then mutated
@@ -23,10 +27,11 @@ A fixed list of hand-written hostile cases (some sent as raw bytes over TCP) is 
 Checks, per response: status < 500 except 503 (with Retry-After when the code is server_busy), 507, and the
 documented 501 not_supported; every error body is the OpenAI envelope {"error": {"message", "type", "param",
 "code"}} (the llama.cpp routes' too, as the server documents them; on the Anthropic routes, whatever the method,
-exactly Anthropic's {"type": "error", "error": {"type", "message"}}) as strict JSON (no NaN, no lone
-surrogates) with no traceback or source path in it; 2xx JSON bodies and SSE events (llama.cpp's `error:` lines
-included) are strict JSON and no stream reports a server fault (OpenAI's server_error, Anthropic's api_error, the
-Responses API's error or response.failed with code server_error); nothing takes longer than
+exactly Anthropic's {"type": "error", "error": {"type", "message"}}; under /api/, exactly Ollama's {"error":
+"..."}) as strict JSON (no NaN, no lone surrogates) with no traceback or source path in it; 2xx JSON bodies, SSE
+events (llama.cpp's `error:` lines included) and NDJSON lines are strict JSON and no stream reports a server fault
+(OpenAI's server_error, Anthropic's api_error, the Responses API's error or response.failed with code
+server_error, Ollama's {"error": "internal server error ..."}); nothing takes longer than
 --timeout; after an error response the same keep-alive connection still answers. Throughout: /health answers
 200 within 1 s (polled every 0.5 s). At the end: the server is alive and no slot is left processing.
 Prints a table and the first offending requests; exits 1 on any failure. --json FILE writes the results.
@@ -69,6 +74,8 @@ ANTHROPIC_PREFIX = "/v1/messages/"
 ANTHROPIC_ERROR_TYPES = frozenset({"invalid_request_error", "authentication_error", "permission_error",
                                    "not_found_error", "request_too_large", "rate_limit_error", "api_error",
                                    "overloaded_error", "timeout_error"})
+# Routes under this prefix (and the prefix alone) answer every error in Ollama's envelope {"error": "..."}.
+OLLAMA_PREFIX = "/api/"
 HEALTH_LIMIT_S = 1.0
 LATE_FACTOR = 3                    # a hang is waited for this many timeouts, to see whether it answers late
 FREEZE_AFTER_S = 15.0              # /health silent this long: the server is frozen, stop sending
@@ -391,7 +398,7 @@ ORIGINS: list[str | bytes] = ["http://evil.example", "null", "http://127.0.0.1.e
 UNKNOWN_ROUTES: list[tuple[str, str]] = [
     ("POST", "/v1/batches"), ("GET", "/v1/batches/x"), ("POST", "/v1/audio/transcriptions"),
     ("POST", "/v2/chat/completions"), ("POST", "/v1/chat/completions/"), ("GET", "//v1//models"),
-    ("GET", "/V1/MODELS"), ("GET", "/"), ("GET", "/favicon.ico"), ("GET", "/.env"),
+    ("GET", "/V1/MODELS"), ("GET", "/favicon.ico"), ("GET", "/.env"),
     ("GET", "/%2e%2e/%2e%2e/etc/passwd"), ("POST", "/v1/chat/completions%00"), ("GET", "/slots/"),
     ("GET", "/v1/" + "a" * 3000), ("POST", "/v1/completions/x"), ("GET", "/health/x"),
     ("PUT", "/v1/files/x/content"), ("GET", "/metrics/"), ("POST", "/slots/0/save/x"),
@@ -399,6 +406,8 @@ UNKNOWN_ROUTES: list[tuple[str, str]] = [
     ("GET", "/v1/responses/x/input_items"), ("POST", "/v1/responses/x/cancel"),
     ("POST", "/infill"), ("POST", "/embedding"), ("POST", "/v1/rerank"), ("GET", "/props/x"),
     ("POST", "/v1/apply-template"), ("POST", "/v1/completion"), ("POST", "/v1/embeddings/x"),
+    ("POST", "/api/nope"), ("GET", "/api/"), ("GET", "/api"), ("POST", "/api/chat/x"), ("DELETE", "/api/tags"),
+    ("POST", "/api/blobs/sha256:00"), ("GET", "/API/TAGS"), ("POST", "/api//chat"),
 ]
 KNOWN_PATHS: list[tuple[str, str]] = [
     ("/v1/chat/completions", "/v1/chat/completions"), ("/v1/completions", "/v1/completions"),
@@ -415,6 +424,11 @@ KNOWN_PATHS: list[tuple[str, str]] = [
     ("/completions", "/completions"), ("/props", "/props"), ("/apply-template", "/apply-template"),
     ("/v1/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"),
     ("/chat/completions/input_tokens", "/chat/completions/input_tokens"),
+    ("/api/chat", "/api/chat"), ("/api/generate", "/api/generate"), ("/api/embed", "/api/embed"),
+    ("/api/embeddings", "/api/embeddings"), ("/api/tags", "/api/tags"), ("/api/ps", "/api/ps"),
+    ("/api/show", "/api/show"), ("/api/pull", "/api/pull"), ("/api/delete", "/api/delete"),
+    ("/api/version", "/api/version"), ("/", "/"), ("/models/load", "/models/load"),
+    ("/models/unload", "/models/unload"),
 ]
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD", "TRACE", "PROPFIND", "FOO"]
 PROMPTS = ["Hi", "The capital of France is", "1, 2, 3,", "Once upon a time", "def f(x):", "¿Qué?", "こんにちは"]
@@ -495,6 +509,33 @@ RESPONSES_STRINGS = [("input",), ("input", 0, "content"), ("input", 0, "content"
                      ("text", "format", "name")]
 EMBEDDING_PATHS = [("model",), ("input",), ("input", 0), ("input", 0, 0), ("encoding_format",), ("dimensions",)]
 EMBEDDING_STRINGS = [("input",), ("input", 0), ("model",), ("encoding_format",)]
+OLLAMA_OPTION_PATHS = [("options",), ("options", "temperature"), ("options", "top_k"), ("options", "top_p"),
+                       ("options", "min_p"), ("options", "seed"), ("options", "num_predict"), ("options", "num_ctx"),
+                       ("options", "stop"), ("options", "repeat_penalty")]
+OLLAMA_CHAT_PATHS = [("model",), ("messages",), ("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
+                     ("messages", 0, "images"), ("messages", 0, "thinking"), ("messages", 0, "tool_name"),
+                     ("messages", 0, "tool_calls"), ("messages", 0, "tool_calls", 0, "function", "arguments"),
+                     ("tools",), ("tools", 0, "function", "name"), ("tools", 0, "function", "parameters"),
+                     ("format",), ("stream",), ("keep_alive",), ("think",), ("logprobs",), ("top_logprobs",),
+                     *OLLAMA_OPTION_PATHS]
+OLLAMA_GENERATE_PATHS = [("model",), ("prompt",), ("system",), ("raw",), ("context",), ("context", 0), ("suffix",),
+                         ("template",), ("images",), ("format",), ("stream",), ("keep_alive",), ("think",),
+                         *OLLAMA_OPTION_PATHS]
+OLLAMA_EMBED_PATHS = [("model",), ("input",), ("input", 0), ("prompt",), ("truncate",), ("dimensions",),
+                      ("keep_alive",)]
+OLLAMA_STRINGS = [("model",), ("messages", 0, "content"), ("messages", 0, "role"), ("messages", 0, "tool_name"),
+                  ("prompt",), ("system",), ("keep_alive",), ("format",), ("think",), ("input",), ("input", 0),
+                  ("options", "stop", 0)]
+KEEP_ALIVES: list[Any] = ["5m", "-1m", "1h30m", "0", "0s", "forever", "", "1e3", "5 m", "9999999h", "-9999999h",
+                          "1.5s", "10µs", "m", "--5m", Raw("NaN"), Raw("1e999"), 1e300, -1, 3600, [], {}, True, None]
+OLLAMA_FORMATS: list[Any] = ["json", "", "xml", None, 5, [], {}, {"type": "string", "pattern": "("}, {"$ref": "#"},
+                             {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                             {"type": "array", "minItems": 100000}, {"type": "integer", "minimum": 10, "maximum": 1}]
+OLLAMA_OPTIONS: list[Any] = [{"num_ctx": 10**9}, {"num_ctx": 0}, {"num_predict": -2}, {"num_predict": -3},
+                             {"num_predict": 0}, {"stop": "x"}, {"stop": [""]}, {"stop": ["a"] * 17},
+                             {"temperature": Raw("NaN")}, {"temperature": -1}, {"seed": 2**64}, {"seed": -5},
+                             {"top_k": 2**63}, {"top_p": 0}, {"mirostat": 2, "num_gpu": 99, "num_thread": -1},
+                             {"repeat_last_n": -5, "typical_p": 7}, 5, [], None, "temperature=0"]
 
 
 # The fields that bound a generation, per family: the one the server reads first first; the last is set.
@@ -508,7 +549,7 @@ class ProbeFactory:
     """Builds the request list of a run from a seed: schema pools, mutations, and the fixed hostile cases."""
 
     def __init__(self, target: Target, seed: int, requests: int):
-        from basert.server import schemas
+        from basert.server import ollama_schemas, schemas
         from basert.server.anthropic_schemas import MessagesRequest
         from basert.server.responses_schemas import ResponsesRequest
         from basert.server.routes.embeddings import EmbeddingRequest
@@ -529,6 +570,9 @@ class ProbeFactory:
             "messages": compact_free_form(schema_pool(MessagesRequest, max(4, pool_size // 4), seed)),
             "responses": compact_free_form(schema_pool(ResponsesRequest, max(8, pool_size // 2), seed)),
             "embeddings": schema_pool(EmbeddingRequest, 12, seed),
+            "ollama_chat": compact_free_form(schema_pool(ollama_schemas.ChatRequest, max(4, pool_size // 4), seed)),
+            "ollama_generate": schema_pool(ollama_schemas.GenerateRequest, max(8, pool_size // 2), seed),
+            "ollama_embed": schema_pool(ollama_schemas.EmbedRequest, 12, seed),
         }
 
     # The run: generated probes with the fixed hostile ones spread among them.
@@ -537,13 +581,14 @@ class ProbeFactory:
         generated = max(requests - len(hostile), requests // 3)
         kinds = [("chat", 30), ("completion", 15), ("tokenize", 8), ("detokenize", 5), ("models", 4),
                  ("slots", 10), ("files", 10), ("routes", 8), ("health", 2), ("messages", 10), ("responses", 9),
-                 ("embeddings", 5), ("llama", 9)]
+                 ("embeddings", 5), ("llama", 9), ("ollama", 10), ("model_admin", 3)]
         names, weights = zip(*kinds)
         builders: dict[str, Callable[[random.Random], Probe]] = {
             "chat": self.chat, "completion": self.completion, "tokenize": self.tokenize,
             "detokenize": self.detokenize, "models": self.models, "slots": self.slots, "files": self.files,
             "routes": self.routes, "health": self.health, "messages": self.messages, "responses": self.responses,
-            "embeddings": self.embeddings, "llama": self.llama,
+            "embeddings": self.embeddings, "llama": self.llama, "ollama": self.ollama,
+            "model_admin": self.model_admin,
         }
         probes = []
         for i in range(generated):
@@ -998,6 +1043,140 @@ class ProbeFactory:
         n = self.target.n_slots
         return set_path(body, ("id_slot",), rng.choice([-1, 0, n - 1, n, 99, 2**63, "0", 1.5])), "slot_hint"
 
+    def ollama(self, rng: random.Random) -> Probe:
+        """Ollama's routes: chat and generate (streamed by default), embed and embeddings, the listings, show, pull
+        and delete (of the served model or unknown ones only), version and the root."""
+        roll = rng.random()
+        if roll < 0.4:
+            body = self.ollama_body(rng, "ollama_chat")
+            if rng.random() < 0.5:
+                body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+            for message in body.get("messages") or []:
+                if isinstance(message, dict) and rng.random() < 0.8:
+                    message.pop("images", None)
+            body, notes = self.mutate(rng, body, OLLAMA_CHAT_PATHS, OLLAMA_STRINGS, self.ollama_special)
+            return self.ollama_probe(rng, "/api/chat", body, notes)
+        if roll < 0.7:
+            body = self.ollama_body(rng, "ollama_generate")
+            if rng.random() < 0.6:
+                body["prompt"] = rng.choice(PROMPTS)
+            for name, share in (("suffix", 0.9), ("template", 0.9), ("images", 0.9), ("context", 0.7)):
+                if rng.random() < share:
+                    body.pop(name, None)
+            body, notes = self.mutate(rng, body, OLLAMA_GENERATE_PATHS, OLLAMA_STRINGS, self.ollama_special)
+            return self.ollama_probe(rng, "/api/generate", body, notes)
+        if roll < 0.85:
+            body = self.ollama_body(rng, "ollama_embed")
+            path = rng.choice(["/api/embed", "/api/embed", "/api/embeddings"])
+            if path == "/api/embeddings":
+                body.pop("input", None)
+                body["prompt"] = rng.choice(PROMPTS)
+            elif rng.random() < 0.5:
+                body["input"] = rng.choice(PROMPTS + [["a", "b"], "", [], [""]])
+            body, notes = self.mutate(rng, body, OLLAMA_EMBED_PATHS, OLLAMA_STRINGS, self.ollama_special)
+            return self.ollama_probe(rng, path, body, notes)
+        return self.ollama_admin(rng)
+
+    def ollama_body(self, rng: random.Random, pool: str) -> dict:
+        """A body drawn from an Ollama pool, most of the time naming the served model (Ollama's routes know no
+        other), without the drawn keep_alive (0 would unload the model after each request), often without the drawn
+        think and format."""
+        body = copy.deepcopy(rng.choice(self.pools[pool]))
+        body.pop("keep_alive", None)
+        if rng.random() < 0.85:
+            body["model"] = rng.choice([self.target.model_id] * 3 + [self.target.model_id + ":latest"])
+        for name in ("think", "format"):     # drawn, they are mostly refused: a 400 before any generation
+            if rng.random() < 0.7:
+                body.pop(name, None)
+        return body
+
+    def ollama_special(self, rng: random.Random, body: Any) -> tuple[Any, str]:
+        """One of the targeted hostile values of an Ollama body."""
+        choice = rng.choice(["keep_alive", "format", "options", "images", "think", "tool_calls", "context", "load"])
+        if choice == "keep_alive":
+            return set_path(body, ("keep_alive",), rng.choice(KEEP_ALIVES)), choice
+        if choice == "format":
+            return set_path(body, ("format",), copy.deepcopy(rng.choice(OLLAMA_FORMATS))), choice
+        if choice == "options":
+            return set_path(body, ("options",), copy.deepcopy(rng.choice(OLLAMA_OPTIONS))), choice
+        if choice == "images":
+            path = rng.choice([("images",), ("messages", 0, "images")])
+            return set_path(body, path, rng.choice([["aGk="], [], None, 5, [nested(100)], "aGk="])), choice
+        if choice == "think":
+            return set_path(body, ("think",), rng.choice([True, False, "high", "max", 1, None, "true"])), choice
+        if choice == "tool_calls":
+            arguments = rng.choice([{}, {"city": "Rome"}, "{}", None, 5, [], {"a": nested(100, "dict")}])
+            turn = {"role": "assistant", "content": rng.choice(["", None, "x"]),
+                    "tool_calls": [{"function": {"name": rng.choice(["f", "", 5]), "arguments": arguments}}]}
+            answer = {"role": "tool", "content": "sunny", "tool_name": rng.choice(["f", "g", None])}
+            return set_path(body, ("messages",), [{"role": "user", "content": "q"}, turn, answer]), choice
+        if choice == "context":
+            value = rng.choice([[-1], [10**9], [2**63], ["a"], [1.5], [True], [], list(range(1, 6)), "1,2", None])
+            return set_path(body, ("context",), value), choice
+        for name in ("messages", "prompt", "input"):     # no prompt: the model is loaded (or unloaded)
+            if isinstance(body, dict) and name in body:
+                body[name] = [] if name != "prompt" else ""
+        return body, "load"
+
+    def ollama_probe(self, rng: random.Random, path: str, body: Any, notes: list[str]) -> Probe:
+        probe = Probe(0, f"POST {path}", "POST", path, headers={"Content-Type": "application/json"},
+                      tag="ollama " + " ".join(notes))
+        if path in ("/api/chat", "/api/generate") and isinstance(body, dict):
+            self.bound_ollama(rng, body, probe)
+        probe.body = encode_json(body)
+        self.mutate_bytes(rng, probe)
+        return probe
+
+    def bound_ollama(self, rng: random.Random, body: dict, probe: Probe) -> None:
+        """Keep a generation cheap: options.num_predict <= 8 unless a mutation chose the options; a budget the
+        mutation chose that is not a small integer is read as a stream and dropped after two lines. Ollama streams
+        unless told not to; such streams are sometimes dropped early too."""
+        options = body.get("options")
+        if "options" in probe.tag:
+            budget = options.get("num_predict") if isinstance(options, dict) else None
+            if type(budget) is not int or not 1 <= budget <= 8:
+                body["stream"] = True
+                probe.disconnect_after = 2
+        else:
+            body["options"] = {**(options if isinstance(options, dict) else {}), "num_predict": rng.randint(1, 8)}
+        if body.get("stream", True) is True and probe.disconnect_after is None and rng.random() < 0.3:
+            probe.disconnect_after = rng.randint(1, 3)
+
+    def ollama_admin(self, rng: random.Random) -> Probe:
+        """The listings, version, root, show, and pull / delete of the served model or unknown names."""
+        roll = rng.random()
+        if roll < 0.35:
+            path = rng.choice(["/api/tags", "/api/ps", "/api/version", "/", "/api/tags?x=%00"])
+            return Probe(0, f"GET {path.split('?')[0]}", rng.choice(["GET", "GET", "HEAD"]), path, tag="ollama_list")
+        name = rng.choice([self.target.model_id, self.target.model_id + ":latest", "nope", "nope:latest", "", 5, None,
+                           rng.choice(HOSTILE_STRINGS), "../../etc/passwd", "org/name:variant"])
+        if roll < 0.6:
+            body, notes = self.mutate(rng, {"model": name}, [("model",), ("name",), ("verbose",)], [("model",)])
+            return self.ollama_probe(rng, "/api/show", body, notes)
+        if roll < 0.85:
+            body, notes = self.mutate(rng, {"model": name, "stream": rng.choice([True, False, None, "x"])},
+                                      [("stream",), ("insecure",)], [("insecure",)])
+            return self.ollama_probe(rng, "/api/pull", body, notes)
+        unknown = rng.choice(["nope", "nope:latest", "", 5, None, rng.choice(HOSTILE_STRINGS), "../x"])
+        probe = Probe(0, "DELETE /api/delete", "DELETE", "/api/delete", headers={"Content-Type": "application/json"},
+                      body=encode_json({"model": unknown}), tag="ollama_delete")
+        return probe
+
+    def model_admin(self, rng: random.Random) -> Probe:
+        """POST /models/load and /models/unload (llama-server's router names): loads of the served model (already
+        loaded: a no-op) and of unknown or hostile names, unloads of unknown or hostile names only (an unloaded
+        served model would be reloaded by the next probe, slowing the run without testing more)."""
+        action = rng.choice(["load", "unload"])
+        names = ["nope", "nope:latest", "", 5, None, rng.choice(HOSTILE_STRINGS), "../../etc/passwd"]
+        name = rng.choice(names + ([self.target.model_id] * 3 if action == "load" else []))
+        body = {"model": name}
+        if action == "load":
+            body["keep_alive"] = rng.choice(["5m", -1, 0.5, "1h30m", "forever", 1e300, "", None, [], "-5m"])
+        body, notes = self.mutate(rng, body, [("model",), ("keep_alive",)], [("model",)])
+        if action == "unload" and isinstance(body, dict) and body.get("model") == self.target.model_id:
+            body["model"] = "nope"
+        return self.json_probe(rng, f"POST /models/{action}", f"/models/{action}", body, notes, "model_admin")
+
     def routes(self, rng: random.Random) -> Probe:
         if rng.random() < 0.5:
             method, path = rng.choice(UNKNOWN_ROUTES)
@@ -1303,10 +1482,112 @@ class ProbeFactory:
             add(f"template raise_exception {path}", {"messages": [{"role": "user", "content": "x"}] * 2 + [
                 {"role": "system", "content": "late"}]}, path)
         add("props change", {"n_predict": 5}, "/props")
-        for endpoint in (messages, count, responses, embeddings, completion, "/apply-template"):
+        self.hostile_ollama(add)
+        for endpoint in (messages, count, responses, embeddings, completion, "/apply-template", "/api/chat",
+                         "/api/generate", "/api/embed", "/api/show", "/api/pull"):
             add(f"nan body {endpoint}", b'{"x": NaN}', endpoint)
             add(f"bytes invalid utf-8 {endpoint}", b'{"input": "\xff", "prompt": "\xed\xa0\x80"}', endpoint)
             add(f"bytes empty {endpoint}", b"", endpoint)
+
+    def hostile_ollama(self, add: Callable[..., None]) -> None:
+        """Fixed cases for Ollama's routes (pull and delete name the served model or unknown ones only)."""
+        t = self.target
+        model = t.model_id
+        chat, generate, embed = "/api/chat", "/api/generate", "/api/embed"
+        user = [{"role": "user", "content": "hi"}]
+        short = {"num_predict": 1}
+        surrogate = Raw('"\\ud800"')
+        for path, body in ((chat, {"messages": user, "options": short}), (generate, {"prompt": "hi", "options": short}),
+                           (embed, {"input": "hi"}), ("/api/embeddings", {"prompt": "hi"}), ("/api/show", {}),
+                           ("/api/pull", {"stream": False})):
+            add(f"ollama unknown model {path}", {**body, "model": "nope"}, path)
+            add(f"ollama no model {path}", body, path)
+            add(f"ollama model surrogate {path}", {**body, "model": surrogate}, path)
+        for depth in (1000, 100_000):
+            add(f"deep{depth} ollama chat", {"model": model, "messages": [{"role": "user", "content": nested(depth)}]},
+                chat)
+            add(f"deep{depth} ollama generate", {"model": model, "prompt": nested(depth, "dict")}, generate)
+            add(f"deep{depth} ollama embed", {"model": model, "input": nested(depth)}, embed)
+            add(f"deep{depth} ollama format", {"model": model, "messages": user, "options": short,
+                                               "format": {"properties": {"a": nested(depth, "dict")}}}, chat)
+        add("lone surrogate ollama chat", {"model": model, "messages": [{"role": "user", "content": surrogate}],
+                                           "options": short}, chat)
+        add("lone surrogate ollama generate", {"model": model, "prompt": surrogate, "options": short}, generate)
+        add("lone surrogate ollama keep_alive", {"model": model, "prompt": "hi", "keep_alive": surrogate}, generate)
+        for value in KEEP_ALIVES:
+            if value not in ("0", "0s"):
+                add(f"ollama keep_alive {encode_json(value)[:20]!r}", {"model": model, "messages": user,
+                                                                        "options": short, "keep_alive": value}, chat)
+        for value in ("NaN", "Infinity", "1e999"):
+            add(f"{value} ollama temperature", {"model": model, "messages": user,
+                                                "options": {"num_predict": 1, "temperature": Raw(value)}}, chat)
+            add(f"{value} ollama num_predict", {"model": model, "prompt": "hi", "options": {"num_predict": Raw(value)}},
+                generate)
+        for options in OLLAMA_OPTIONS:
+            # A num_predict of its own (0 and -2: the server's default budget) streams and is dropped early.
+            unbounded = isinstance(options, dict) and "num_predict" in options
+            full = {**options, "num_predict": 2} if isinstance(options, dict) and not unbounded else options
+            tag = ("huge max_tokens stream " if unbounded else "") + f"ollama options {encode_json(options)[:30]!r}"
+            add(tag, {"model": model, "messages": user, "stream": unbounded, "options": full}, chat)
+        add("ollama num_ctx beyond the model", {"model": model, "messages": user,
+                                                "options": {"num_predict": 1, "num_ctx": t.n_ctx + 1}}, chat)
+        for fmt in OLLAMA_FORMATS:
+            add(f"ollama format {encode_json(fmt)[:30]!r}", {"model": model, "messages": user, "format": fmt,
+                                                            "options": {"num_predict": 4}, "stream": False}, chat)
+        for think in (True, "high", "max", 1):
+            add(f"ollama think {think!r}", {"model": model, "messages": user, "think": think, "options": short}, chat)
+        add("ollama images chat", {"model": model, "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]},
+            chat)
+        add("ollama images generate", {"model": model, "prompt": "hi", "images": ["aGk="]}, generate)
+        add("ollama suffix", {"model": model, "prompt": "def f(", "suffix": "return 1"}, generate)
+        add("ollama template", {"model": model, "prompt": "hi", "template": "{{ .Prompt }}"}, generate)
+        for context in ([-1], [10**9], [2**63], ["a"], [t.filler_token] * (t.n_ctx + 1), [t.filler_token] * 3):
+            add(f"ollama context {encode_json(context)[:24]!r}", {"model": model, "prompt": "hi", "context": context,
+                                                                 "options": short, "stream": False}, generate)
+        add("ollama prompt beyond the context", {"model": model, "prompt": " a" * (t.n_ctx + 10), "options": short},
+            generate)
+        add("ollama messages beyond the context", {"model": model, "messages": [{"role": "user",
+                                                                                 "content": " a" * (t.n_ctx + 10)}]},
+            chat)
+        add("ollama tool call arguments as text", {"model": model, "options": short, "messages": [
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]}, chat)
+        add("ollama role unknown", {"model": model, "messages": [{"role": "robot", "content": "hi"}]}, chat)
+        weather = [{"type": "function", "function": {"name": "weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+        for stream in (False, True):
+            add(f"complex ollama tool conversation stream={stream}", {
+                "model": model, "stream": stream, "tools": weather, "options": {"num_predict": 8}, "messages": [
+                    {"role": "system", "content": "be brief"}, {"role": "user", "content": "Weather in Rome?"},
+                    {"role": "assistant", "content": "", "thinking": "hm", "tool_calls": [
+                        {"function": {"name": "weather", "arguments": {"city": "Rome"}}}]},
+                    {"role": "tool", "content": "sunny", "tool_name": "weather"}, {"role": "user", "content": "And?"}]},
+                chat)
+            add(f"complex ollama generate raw context stream={stream}", {
+                "model": model, "prompt": "The capital of France is", "raw": True, "context": [t.filler_token] * 3,
+                "stream": stream, "logprobs": True, "top_logprobs": 3, "options": {"num_predict": 4, "seed": 7}},
+                generate)
+            add(f"complex ollama json schema stream={stream}", {
+                "model": model, "stream": stream, "messages": user, "options": {"num_predict": 8}, "format": {
+                    "type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
+                    "required": ["a"]}}, chat)
+        add("ollama load chat", {"model": model}, chat)
+        add("ollama load generate", {"model": model, "keep_alive": "5m"}, generate)
+        add("ollama unload", {"model": model, "keep_alive": 0}, generate)
+        add("ollama load after unload", {"model": model, "messages": []}, chat)
+        for value in ([""], "", [], ["a"] * 3, " a" * (t.n_ctx + 10), [5], {"a": 1}):
+            add(f"ollama embed input {encode_json(value)[:20]!r}", {"model": model, "input": value}, embed)
+        add("ollama embed beyond the context untruncated", {"model": model, "input": " a" * (t.n_ctx + 10),
+                                                            "truncate": False}, embed)
+        add("ollama embed dimensions", {"model": model, "input": "a", "dimensions": 3}, embed)
+        add("ollama embeddings empty", {"model": model, "prompt": ""}, "/api/embeddings")
+        add("ollama show", {"model": model}, "/api/show")
+        add("ollama show older name", {"name": model + ":latest"}, "/api/show")
+        add("ollama pull installed", {"model": model, "stream": False}, "/api/pull")
+        add("ollama pull installed stream", {"model": model}, "/api/pull")
+        add("ollama delete unknown", {"model": "nope"}, "/api/delete", "DELETE")
+        add("ollama delete nothing", {}, "/api/delete", "DELETE")
+        for path in ("/api/create", "/api/copy", "/api/push", "/api/blobs/sha256:00"):
+            add(f"ollama unsupported {path}", {"model": "x"}, path)
 
     def hostile_http(self) -> list[Probe]:
         """Cases about HTTP itself: methods, routes, headers, sizes, and raw bytes httpx will not send."""
@@ -1332,7 +1613,8 @@ class ProbeFactory:
             *[Probe(0, f"POST {path}", "POST", path, body=big, headers=json_type, chunked=chunked,
                     tag="hostile over limit" + (" chunked" if chunked else ""))
               for path in ("/completion", "/v1/responses", "/apply-template", "/v1/messages/count_tokens",
-                           "/v1/chat/completions/input_tokens", "/props") for chunked in (False, True)],
+                           "/v1/chat/completions/input_tokens", "/props", "/api/chat", "/api/generate", "/api/embed",
+                           "/api/show") for chunked in (False, True)],
             Probe(0, "POST /completion", "POST", "/completion?q=" + "x" * 8000, headers=json_type,
                   body=b'{"prompt": "hi", "n_predict": 1}', tag="hostile long query"),
             Probe(0, "GET /props", "GET", "/props?model=" + "m" * 8000, tag="hostile long query"),
@@ -1346,6 +1628,12 @@ class ProbeFactory:
             Probe(0, "PUT /v1/responses/{id}", "PUT", "/v1/responses/" + RESPONSE_ID, body=b"{}", headers=json_type,
                   tag="hostile wrong method"),
             Probe(0, "GET /completion", "GET", "/completion", tag="hostile wrong method"),
+            Probe(0, "GET /api/chat", "GET", "/api/chat", tag="hostile wrong method"),
+            Probe(0, "POST /api/tags", "POST", "/api/tags", body=b"{}", headers=json_type, tag="hostile wrong method"),
+            Probe(0, "POST /", "POST", "/", body=b"{}", headers=json_type, tag="hostile wrong method"),
+            Probe(0, "HEAD /", "HEAD", "/", tag="hostile head"),
+            Probe(0, "POST /api/chat", "POST", "/api/chat", headers={"Content-Type": "text/plain"},
+                  body=b'{"model": "x", "messages": []}', tag="hostile text/plain"),
             Probe(0, "POST /v1/messages", "POST", "/v1/messages", headers={"Content-Type": "text/plain"},
                   body=b'{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}', tag="hostile text/plain"),
             Probe(0, "POST /v1/messages/count_tokens", "POST", "/v1/messages/count_tokens",
@@ -1511,11 +1799,13 @@ async def send_http(client: httpx.AsyncClient, probe: Probe, path: str, body: by
     request = client.build_request(probe.method, path, content=content, headers=probe.headers)
     response = await client.send(request, stream=True)
     data = bytearray()
+    # An SSE event ends with a blank line, an NDJSON object with its line.
+    separator = b"\n" if response.headers.get("content-type", "").startswith("application/x-ndjson") else b"\n\n"
     try:
         async for chunk in response.aiter_raw():
             if len(data) < READ_CAP:
                 data += chunk
-            if probe.disconnect_after is not None and data.count(b"\n\n") >= probe.disconnect_after:
+            if probe.disconnect_after is not None and data.count(separator) >= probe.disconnect_after:
                 break
     finally:
         await response.aclose()
@@ -1632,7 +1922,7 @@ def strict_json(data: bytes) -> Any:
 
 
 def envelope_problem(body: bytes, headers: dict[str, str], api: str = "openai") -> str | None:
-    """Why an error body is not the envelope of `api` ("openai" or "anthropic"), or None."""
+    """Why an error body is not the envelope of `api` ("openai", "anthropic" or "ollama"), or None."""
     if not headers.get("content-type", "").startswith("application/json"):
         return f"content-type {headers.get('content-type')!r}, body {body[:200]!r}"
     try:
@@ -1641,6 +1931,10 @@ def envelope_problem(body: bytes, headers: dict[str, str], api: str = "openai") 
         return f"not strict JSON ({exc}): {body[:200]!r}"
     if api == "anthropic":
         return anthropic_envelope_problem(value, body)
+    if api == "ollama":
+        if not isinstance(value, dict) or set(value) != {"error"} or not isinstance(value["error"], str):
+            return f"not Ollama's error object {{\"error\": message}}: {body[:200]!r}"
+        return None
     error = value.get("error") if isinstance(value, dict) else None
     if not isinstance(error, dict):
         return f"no error object: {body[:200]!r}"
@@ -1653,10 +1947,12 @@ def envelope_problem(body: bytes, headers: dict[str, str], api: str = "openai") 
 
 def error_apis(probe: Probe) -> tuple[str, ...]:
     """The error envelopes a probe's answer may have: Anthropic's on its Messages routes (any method), either below
-    them on a path no API defines, OpenAI's everywhere else (the llama.cpp routes included, as the server
-    documents)."""
+    them on a path no API defines, Ollama's under /api/ (any method, any path), OpenAI's everywhere else (the
+    llama.cpp routes included, as the server documents)."""
     route = probe.path if probe.endpoint == "unknown route" else probe.endpoint.partition(" ")[2]
     route = route.partition("?")[0]
+    if route == OLLAMA_PREFIX.rstrip("/") or route.startswith(OLLAMA_PREFIX):
+        return ("ollama",)
     if route in ANTHROPIC_ROUTES:
         return ("anthropic",)
     return ("openai", "anthropic") if route.startswith(ANTHROPIC_PREFIX) else ("openai",)
@@ -1698,7 +1994,7 @@ def check(probe: Probe, outcome: Outcome, state: RunState, timeout: float = math
         state.problem("keepalive", probe, status, f"{outcome.error}: statuses {outcome.statuses}")
     body, headers = outcome.body, outcome.headers
     for seen in outcome.statuses or [status]:
-        if seen >= 500 and not allowed_5xx(seen, body, headers):
+        if seen >= 500 and not allowed_5xx(seen, body, headers, error_apis(probe)):
             state.problem("5xx", probe, seen, body[:300].decode("utf-8", errors="replace"))
     if status == 503 and "server_busy" in error_code(body) and "retry-after" not in headers:
         state.problem("retry_after", probe, status, "503 server_busy without Retry-After")
@@ -1721,6 +2017,19 @@ def check(probe: Probe, outcome: Outcome, state: RunState, timeout: float = math
                     continue
                 if server_fault_event(value):
                     state.problem("stream_error", probe, status, event[:300])
+        elif content_type.startswith("application/x-ndjson"):
+            lines = body.decode("utf-8", errors="replace").split("\n")
+            complete = probe.disconnect_after is None
+            for line in (lines if complete else lines[:-1]):
+                if not line:
+                    continue
+                try:
+                    value = strict_json(line.encode())
+                except (ValueError, UnicodeError) as exc:
+                    state.problem("bad_json", probe, status, f"NDJSON line not strict JSON ({exc}): {line[:200]}")
+                    continue
+                if server_fault_event(value):
+                    state.problem("stream_error", probe, status, line[:300])
         elif content_type.startswith("application/json"):
             try:
                 strict_json(body)
@@ -1729,12 +2038,14 @@ def check(probe: Probe, outcome: Outcome, state: RunState, timeout: float = math
 
 
 def server_fault_event(value: Any) -> bool:
-    """Whether an SSE event reports a server fault: OpenAI's error (type server_error, code internal_*),
-    Anthropic's error event of type api_error, or the Responses API's error / response.failed with code
-    server_error."""
+    """Whether an SSE event or NDJSON line reports a server fault: OpenAI's error (type server_error, code
+    internal_*), Anthropic's error event of type api_error, the Responses API's error / response.failed with code
+    server_error, or Ollama's {"error": "internal server error ..."}."""
     if not isinstance(value, dict):
         return False
     error = value.get("error")
+    if isinstance(error, str):
+        return error.startswith("internal server error")
     if isinstance(error, dict):
         if error.get("type") in ("server_error", "api_error") or str(error.get("code", "")).startswith("internal"):
             return True
@@ -1747,10 +2058,19 @@ def server_fault_event(value: Any) -> bool:
     return False
 
 
-def allowed_5xx(status: int, body: bytes, headers: dict[str, str]) -> bool:
+def allowed_5xx(status: int, body: bytes, headers: dict[str, str], apis: tuple[str, ...] = ("openai",)) -> bool:
+    """503 and 507, and the documented 501 not_supported (in Ollama's envelope, which has no code: its message)."""
     if status in (503, 507):
         return True
-    return status == 501 and error_code(body).endswith("/not_supported")
+    if status != 501:
+        return False
+    if "ollama" in apis:
+        try:
+            error = json.loads(body).get("error")
+        except (ValueError, AttributeError):
+            return False
+        return isinstance(error, str) and "is not supported" in error
+    return error_code(body).endswith("/not_supported")
 
 
 def sse_payloads(body: bytes, complete: bool) -> list[str]:

@@ -83,14 +83,29 @@ class ToolCall(Lenient):
     function: ToolCallFunction
 
 
+def refused(value: Any, why: str) -> Any:
+    """`value` when it is empty (or absent), else a ValueError saying `why` it is refused."""
+    if value:
+        raise ValueError(why)
+    return value
+
+
+IMAGES_REFUSED = "images are not supported: the models BaseRT serves read text only"
+
+
 class ChatMessage(Lenient):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
     thinking: str | None = None
-    images: list[Any] | None = None         # refused when not empty: the served models read text only
+    images: list[Any] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
     tool_call_id: str | None = None
+
+    @field_validator("images")
+    @classmethod
+    def no_images(cls, value: list | None) -> list | None:
+        return refused(value, IMAGES_REFUSED)
 
 
 class ChatRequest(GenerationFields):
@@ -107,9 +122,24 @@ class GenerateRequest(GenerationFields):
     system: str | None = None
     raw: bool = False
     context: list[StrictInt] | None = None  # token ids of an earlier answer: the prompt continues them
-    suffix: str | None = None               # fill-in-the-middle: refused when not empty
-    template: str | None = None             # Ollama's Go template override: refused when not empty
-    images: list[Any] | None = None         # refused when not empty
+    suffix: str | None = None
+    template: str | None = None
+    images: list[Any] | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def no_suffix(cls, value: str | None) -> str | None:
+        return refused(value, "fill-in-the-middle (suffix) is not supported")
+
+    @field_validator("template")
+    @classmethod
+    def no_template(cls, value: str | None) -> str | None:
+        return refused(value, "Ollama's Go templates are not supported: the model's chat template is used")
+
+    @field_validator("images")
+    @classmethod
+    def no_images(cls, value: list | None) -> list | None:
+        return refused(value, IMAGES_REFUSED)
 
 
 class EmbedRequest(KeptAlive):
