@@ -111,6 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "model loaded a request may name any model anyway")
     p.add_argument("--no-slots", dest="slots_endpoint", action="store_false",
                    help="turn GET /slots off (it answers 501); slot save, restore and erase stay available")
+    p.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="turn the web pages off: the chat page at / and the dashboard at /dashboard (404)")
     p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="Prometheus metrics at GET /metrics (default on; with --no-metrics it answers 501)")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
@@ -501,6 +503,7 @@ def serve(args: argparse.Namespace) -> int:
         rate_limit=args.rate_limit,
         slots_endpoint=args.slots_endpoint,
         metrics_endpoint=args.metrics,
+        webui=args.webui,
     )
     app = create_app(catalog, settings)
     guarded = RequestGuard(app)

@@ -25,10 +25,12 @@ from basert.server.routes.embeddings import embeddings
 from basert.server.routes.files import files
 from basert.server.routes.llama import llama
 from basert.server.routes.models import models
+from basert.server.routes.ollama import ollama
 from basert.server.routes.openai import openai
 from basert.server.routes.operations import operations
 from basert.server.routes.responses import responses
 from basert.server.routes.slots import slots
+from basert.server.routes.webui import is_page_path, webui
 from basert.server.state import ServerSettings, ServerState, server_state
 
 # Paths that hold other users' data or control the server: without an API key only loopback clients reach them.
@@ -52,7 +54,8 @@ def create_app(catalog: ModelCatalog, settings: ServerSettings) -> QuartTrio:
     app.before_request(admit_request)
     app.after_request(finish_response)
     app.register_error_handler(Exception, handle_error)
-    for blueprint in (openai, llama, anthropic, responses, embeddings, slots, files, operations, models):
+    for blueprint in (openai, llama, anthropic, ollama, responses, embeddings, slots, files, operations, models,
+                      webui):
         app.register_blueprint(blueprint)
     return app
 
@@ -101,6 +104,8 @@ async def admit_request() -> Response | None:
         return error_response(unavailable("the server is shutting down", "draining", retry_after=5))
     if request.path == "/health":
         return None
+    if request.method == "GET" and settings.webui and is_page_path(request.path):
+        return None  # the pages themselves, as llama-server's; every API call they make sends the key
     key = supplied_key()
     if state.api_keys:
         given = key.encode("utf-8", errors="surrogateescape")

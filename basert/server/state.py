@@ -31,6 +31,7 @@ class ServerSettings:
     rate_limit: int = 0                      # requests per minute per API key (or client address); 0 = off
     slots_endpoint: bool = True              # GET /slots (off: 501, as llama.cpp's --no-slots)
     metrics_endpoint: bool = True            # GET /metrics (off: 501, as llama.cpp without --metrics)
+    webui: bool = True                       # the chat page at / and the dashboard (off: 404, as --no-webui)
 
 
 @dataclass(slots=True)
