@@ -317,3 +317,13 @@ def test_a_waiting_load_is_not_starved_by_new_requests_for_the_loaded_model(one_
     for thread in (long, other, later):
         thread.join(300)
     assert answered["other model"] < answered["loaded model, later"]
+
+
+def test_listing_slots_neither_loads_nor_keeps_a_model(one_at_a_time: ServerProcess):
+    url = one_at_a_time.url
+    answer(post(url, "/models/unload", {"model": HYBRID}))
+    assert answer(httpx.get(url + "/slots", params={"model": HYBRID})) == []
+    assert states(url)[HYBRID] == "unloaded"
+    complete(url, HYBRID)
+    slots = answer(httpx.get(url + "/slots", params={"model": HYBRID}))
+    assert len(slots) == 2 and states(url)[HYBRID] == "loaded"

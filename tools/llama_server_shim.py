@@ -28,11 +28,12 @@ SAME_VALUE = {
 }
 # llama.cpp switches (no value) and BaseRT's.
 SAME_SWITCH = {"--no-slots": "--no-slots", "--metrics": "--metrics", "-nocb": "--no-continuous-batching",
-               "--no-cont-batching": "--no-continuous-batching", "--context-shift": "--context-shift"}
+               "--no-cont-batching": "--no-continuous-batching", "--context-shift": "--context-shift",
+               "--no-webui": "--no-webui"}
 # llama.cpp switches that take no value and need nothing here (BaseRT's default already behaves so).
 NO_VALUE = {
     "--slots", "--jinja", "-cb", "--cont-batching", "-fa", "--flash-attn",
-    "--embedding", "--embeddings", "--reranking", "--rerank", "--no-webui", "--verbose", "-v", "--log-verbose",
+    "--embedding", "--embeddings", "--reranking", "--rerank", "--verbose", "-v", "--log-verbose",
     "--no-context-shift", "--no-mmap", "--mlock", "--no-warmup", "--props", "--no-perf",
     "--log-disable", "--log-colors", "--log-prefix", "--log-timestamps", "--no-mmproj", "--no-prefill-assistant",
     "--ignore-eos", "-sp", "--special", "--check-tensors", "--no-kv-offload", "-nkvo",

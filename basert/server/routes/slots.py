@@ -45,7 +45,11 @@ async def list_slots():
     state = server_state()
     if not state.settings.slots_endpoint:
         raise not_supported("the slots endpoint is off: the server was started with --no-slots")
-    model = await slot_model()
+    # Listing looks, it does not use: a model that is not loaded has no slot in use, and one that is loaded is
+    # neither loaded for this nor kept loaded by it (a dashboard polls this every second).
+    model = state.catalog.hold_loaded(state.catalog.entry_for(request.args.get("model")))
+    if model is None:
+        return []
     params = default_generation_settings(model, state.settings.limits)
     listed = [llama_slot(model, slot, params if slot["has_run"] else None) for slot in await model.ask(SlotList)]
     if "fail_on_no_slot" in request.args and all(slot["is_processing"] for slot in listed):
