@@ -577,9 +577,13 @@ def serve(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API",
                        usage="basert serve [MODEL] [--model PATH_OR_ID ...] [options]",
-                       description="Serve one or more models over an OpenAI-compatible HTTP API "
-                       "(/v1/chat/completions, /v1/completions, /v1/models, /v1/tokenize, /v1/detokenize, "
-                       "/v1/files, /slots, /health, /metrics). SIGINT/SIGTERM drain: new requests get 503, running "
-                       "ones finish (up to --drain-timeout), the prefix cache is saved, exit code 0.")
+                       description="Serve models over HTTP: OpenAI's API (/v1/chat/completions, /v1/completions, "
+                       "/v1/responses, /v1/embeddings, /v1/models, /v1/files), Anthropic's /v1/messages, llama.cpp's "
+                       "(/completion, /props, /slots) and Ollama's (/api/chat, /api/generate, /api/tags, ...), a chat "
+                       "page at / and a dashboard at /dashboard, /health and /metrics. The models named here are "
+                       "loaded at start; every other model of the models directory, and every pullable one, is "
+                       "loaded when a request names it (--max-loaded-models, --memory-budget, --keep-alive). "
+                       "SIGINT/SIGTERM drain: new requests get 503, running ones finish (up to --drain-timeout), the "
+                       "prefix caches are saved, exit code 0.")
     add_arguments(p)
     p.set_defaults(func=cmd_serve)
