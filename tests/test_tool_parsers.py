@@ -610,3 +610,28 @@ def test_inject_tool_prompt_into_content_parts() -> None:
         {"type": "text", "text": tool_system_prompt([WEATHER])},
         {"type": "text", "text": "Be brief."},
     ]
+
+
+def test_earlier_tool_calls_are_written_into_their_turns_for_templates_without_tools() -> None:
+    """A template without tool support renders an assistant turn's content only: the calls it made are written
+    there as the generic prompt asks the model to write them, so the model sees what it called."""
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "-3 C"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}}]},
+    ]
+    original = copy.deepcopy(messages)
+    injected = inject_tool_prompt(messages, [WEATHER])
+    assert messages == original
+    assert injected[2] == {"role": "assistant", "content":
+                           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'}
+    assert injected[3] == original[2]
+    assert injected[4]["content"] == ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": "not json"}\n'
+                                      '</tool_call>')
+    parser = make_tool_parser(QWEN_JSON, [WEATHER])   # the dialect the generic prompt teaches reads it back
+    parser.feed(injected[2]["content"])
+    parser.finish(False)
+    assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == [("get_weather", {"city": "Oslo"})]

@@ -105,9 +105,38 @@ def tool_system_prompt(tools: list[dict]) -> str:
     return GENERIC_TOOL_PROMPT.replace("{tools}", described)
 
 
+def written_call(call: dict) -> str:
+    """An earlier turn's tool call (OpenAI's shape) as the generic tool prompt asks the model to write one."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return "<tool_call>\n" + json.dumps({"name": function.get("name"), "arguments": arguments},
+                                        ensure_ascii=False) + "\n</tool_call>"
+
+
+def with_written_calls(message: dict) -> dict:
+    """An assistant message whose tool calls are written into its content (a template without tool support
+    renders the content only: the model would not see the calls it made)."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not calls:
+        return message
+    content = message.get("content")
+    text = content if isinstance(content, str) else "".join(
+        part.get("text", "") for part in content or () if isinstance(part, dict))
+    written = "\n".join(written_call(call) for call in calls if isinstance(call, dict))
+    rest = {key: value for key, value in message.items() if key != "tool_calls"}
+    return {**rest, "content": f"{text}\n{written}" if text else written}
+
+
 def inject_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """A copy of `messages` whose system message starts with the generic tool prompt."""
+    """A copy of `messages` whose system message starts with the generic tool prompt, and whose earlier tool calls
+    are written into their turns as that prompt asks the model to write them."""
     prompt = tool_system_prompt(tools)
+    messages = [with_written_calls(message) for message in messages]
     if not messages or messages[0].get("role") != "system":
         return [{"role": "system", "content": prompt}, *messages]
     system = messages[0]
