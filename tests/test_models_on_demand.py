@@ -197,6 +197,7 @@ def test_load_unload_and_basert_ps(one_at_a_time: ServerProcess):
     assert re.search(rf"^{re.escape(HYBRID)}\s+unloaded", everything, re.M)
 
 
+@pytest.mark.slow
 def test_a_busy_server_refuses_after_the_queue_timeout_and_idle_models_expire(
         models_dir: Path, tmp_path: Path):
     """One model at a time, a 2 s queue timeout and a 1 s keep-alive: a request for another model while a long one
@@ -221,6 +222,7 @@ def test_a_busy_server_refuses_after_the_queue_timeout_and_idle_models_expire(
             time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_the_memory_budget_unloads_idle_models_and_refuses_one_that_cannot_fit(
         one_at_a_time: ServerProcess, models_dir: Path, tmp_path: Path):
     """With no limit on the count, a budget that holds either model but not both: loading one unloads the other;
@@ -271,6 +273,7 @@ def test_metrics_say_which_models_are_loaded(one_at_a_time: ServerProcess):
     assert f'basert_busy_slots{{model="{SMOLLM2}"}}' not in text
 
 
+@pytest.mark.slow
 def test_concurrent_requests_for_two_models_all_succeed_unmixed(one_at_a_time: ServerProcess):
     """Eight clients at once, each alternating between the two models, with one model loaded at a time: every
     request succeeds with its own model's answer (loads and unloads happen between the requests that hold them)."""

@@ -26,6 +26,8 @@ import pytest
 from basert.testing.client import answer, error_envelope, post
 from basert.testing.launcher import ServerProcess, start_servers, stop_servers
 
+pytestmark = pytest.mark.browser   # run with -m browser (CI's browser stage), not in the default run
+
 CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")
 if CHROMIUM is None or CHROMEDRIVER is None:
