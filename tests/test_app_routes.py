@@ -94,3 +94,26 @@ def _upload(data: bytes, filename: str):
     from werkzeug.datastructures import FileStorage
 
     return FileStorage(BytesIO(data), filename=filename)
+
+
+async def test_web_pages_serve_their_own_files_only(tmp_path: Path):
+    """The pages' files by name, and nothing else under /webui/ (traversal, unknown names, other folders: 404 in
+    the envelope); a browser gets the chat page at /, other clients Ollama's answer; --no-webui: no pages."""
+    client = app_with(tmp_path).test_client()
+    page = await client.get("/", headers={"Accept": "text/html,*/*;q=0.8"}, scope_base=LOCAL)
+    assert page.status_code == 200 and page.mimetype == "text/html"
+    assert "/webui/chat.js" in (await page.get_data()).decode()
+    plain = await client.get("/", scope_base=LOCAL)
+    assert (await plain.get_data()) == b"Ollama is running"
+    script = await client.get("/webui/chat.js", scope_base=LOCAL)
+    assert script.status_code == 200 and script.mimetype == "text/javascript"
+    for path in ("/webui/../../etc/passwd", "/webui/%2e%2e%2fcatalog.py", "/webui/nope.js", "/webui/",
+                 "/webui/__init__.py", "/webui/index.html/x", "/webui/%00"):
+        response = await client.get(path, scope_base=LOCAL)
+        assert response.status_code == 404, path
+        assert (await response.get_json())["error"]["type"] == "not_found_error"
+    off = app_with(tmp_path, webui=False).test_client()
+    for path in ("/dashboard", "/webui/chat.js"):
+        assert (await off.get(path, scope_base=LOCAL)).status_code == 404
+    assert (await (await off.get("/", headers={"Accept": "text/html"}, scope_base=LOCAL)).get_data()) == \
+        b"Ollama is running"

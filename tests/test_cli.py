@@ -142,7 +142,12 @@ def test_bench_prints_a_markdown_table(tiny_f32_bases: dict[str, Path]) -> None:
     ("-t", "0", "threads must be at least 1"),
     ("--spec-draft-max", "65", "--spec-draft-max must be in [0, 64]"),
     pytest.param("--spec-draft-max", "-1", "--spec-draft-max must be in [0, 64]", marks=pytest.mark.slow),
-    ("--keep", "-2", "--keep N needs N >= -1")])
+    ("--keep", "-2", "--keep N needs N >= -1"),
+    ("--max-loaded-models", "-1", "--max-loaded-models N needs N >= 0"),
+    ("--memory-budget", "0", "'0' is not a positive size"),
+    ("--memory-budget", "much", "'much' is not a size"),
+    ("--keep-alive", "forever", "keep_alive 'forever' is not a duration"),
+    ("--keep-alive", "99999999h", "out of range")])
 def test_serve_refuses_engine_options_that_cannot_work_in_one_line(flag: str, value: str, message: str) -> None:
     result = basert("serve", flag, value, "--port", "1")
     assert result.returncode == 2

@@ -22,7 +22,7 @@ from conftest import HYBRID_CHAT_FLAGS, SMOLLM2_CHAT_FLAGS
 from basert import Model
 from basert._ext import matmul as mm
 from basert.engine import EngineOptions, build_engine
-from basert.engine.embeddings import hidden_states, pooled
+from basert.engine.embeddings import hidden_states, input_batches, pooled
 from basert.engine.engine import Engine
 from basert.engine.runner import ForwardRequest
 from basert.engine.sampler import SamplingParams
@@ -172,7 +172,7 @@ def test_an_embedding_is_the_same_alone_and_in_a_batch(name: str, engines: dict[
     assert len(long) > engine.token_budget
     alone = [engine.embed([tokens])[0] for tokens in (text, other, long)]
     together = engine.embed([other, text, long, text])
-    assert engine.embedding_batches([other, text, long, text]) == [[0, 1], [2], [3]]
+    assert input_batches([len(t) for t in (other, text, long, text)], engine.token_budget) == [[0, 1], [2], [3]]
     for got, expected in zip(together, [alone[1], alone[0], alone[2], alone[0]]):
         assert np.array_equal(got, expected)
     chunked = [pooled(s, "mean") for s in hidden_states(engine.runner, [long, text], 7)]

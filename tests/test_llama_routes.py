@@ -340,19 +340,22 @@ def test_catalog_resolves_any_name_only_with_one_model(tmp_path: Path):
 
     single = ModelCatalog()
     single.add(served("org/one"), alias="short")
-    assert single.resolve("anything").info.id == "short"
-    assert single.resolve(None).aliases >= {"org/one", "short"}
-    assert single.named("org/one") is single.named("short")
+    assert single.entry_for("anything").name == "short"
+    assert single.entry_for(None).aliases >= {"org/one", "short"}
+    assert single.entry("org/one") is single.entry("short")
     with pytest.raises(ApiError) as unknown:
-        single.named("anything")          # looking a model up by its name stays exact
+        single.entry("anything")          # looking a model up by its name stays exact
     assert unknown.value.status == 404
+    with pytest.raises(ApiError) as strict:
+        single.entry_for("anything", strict=True)   # Ollama's routes: no fallback
+    assert strict.value.status == 404
     several = ModelCatalog()
     several.add(served("a"))
     several.add(served("b"))
-    assert several.resolve("b").info.id == "b"
+    assert several.entry_for("b").name == "b"
     with pytest.raises(ApiError) as missing:
-        several.resolve("c")
+        several.entry_for("c")
     assert (missing.value.status, missing.value.code) == (404, "model_not_found")
     with pytest.raises(ApiError) as unnamed:
-        several.resolve(None)
+        several.entry_for(None)
     assert unnamed.value.status == 400

@@ -1978,6 +1978,18 @@ def error_code(body: bytes) -> str:
         return "?"
 
 
+def check_stream(state: RunState, probe: Probe, status: int, kind: str, items: list[str]) -> None:
+    """Each event of a stream (an SSE event's data, an NDJSON line) must be strict JSON and no server fault."""
+    for item in items:
+        try:
+            value = strict_json(item.encode())
+        except (ValueError, UnicodeError) as exc:
+            state.problem("bad_json", probe, status, f"{kind} not strict JSON ({exc}): {item[:200]}")
+            continue
+        if server_fault_event(value):
+            state.problem("stream_error", probe, status, item[:300])
+
+
 def check(probe: Probe, outcome: Outcome, state: RunState, timeout: float = math.inf) -> None:
     """Record what is wrong with one response."""
     status = outcome.status
@@ -2007,29 +2019,13 @@ def check(probe: Probe, outcome: Outcome, state: RunState, timeout: float = math
     if 200 <= status < 300 and probe.method not in ("HEAD", "OPTIONS") and probe.raw is None:
         content_type = headers.get("content-type", "")
         if content_type.startswith("text/event-stream"):
-            for event in sse_payloads(body, complete=probe.disconnect_after is None):
-                if event == "[DONE]":
-                    continue
-                try:
-                    value = strict_json(event.encode())
-                except (ValueError, UnicodeError) as exc:
-                    state.problem("bad_json", probe, status, f"SSE event not strict JSON ({exc}): {event[:200]}")
-                    continue
-                if server_fault_event(value):
-                    state.problem("stream_error", probe, status, event[:300])
+            events = [e for e in sse_payloads(body, complete=probe.disconnect_after is None) if e != "[DONE]"]
+            check_stream(state, probe, status, "SSE event", events)
         elif content_type.startswith("application/x-ndjson"):
             lines = body.decode("utf-8", errors="replace").split("\n")
             complete = probe.disconnect_after is None
-            for line in (lines if complete else lines[:-1]):
-                if not line:
-                    continue
-                try:
-                    value = strict_json(line.encode())
-                except (ValueError, UnicodeError) as exc:
-                    state.problem("bad_json", probe, status, f"NDJSON line not strict JSON ({exc}): {line[:200]}")
-                    continue
-                if server_fault_event(value):
-                    state.problem("stream_error", probe, status, line[:300])
+            check_stream(state, probe, status, "NDJSON line", [line for line in (lines if complete else lines[:-1])
+                                                               if line])
         elif content_type.startswith("application/json"):
             try:
                 strict_json(body)

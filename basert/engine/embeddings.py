@@ -111,11 +111,14 @@ def hidden_states(runner: ModelRunner, token_lists: Sequence[Sequence[int]], tok
 
 class EmbeddingJob:
     """The vectors of inputs that `check_inputs` accepted, [len(token_lists), hidden] float32 in `vectors`,
-    computed one forward per `step()`: the inputs in the groups of `input_batches`, each an EmbeddingRun (with KV
-    of its own when it takes more than one step, so that other forwards may run between the steps)."""
+    computed one forward per `step()`: the inputs in the groups of `input_batches`, each an EmbeddingRun.
+    `interleaved`: other forwards run between the steps, so a group that takes more than one step keeps its KV in
+    pools of its own."""
 
-    def __init__(self, runner: ModelRunner, token_lists: Sequence[Sequence[int]], token_budget: int, pooling: str):
+    def __init__(self, runner: ModelRunner, token_lists: Sequence[Sequence[int]], token_budget: int, pooling: str,
+                 *, interleaved: bool):
         self.runner, self.token_lists, self.token_budget, self.pooling = runner, token_lists, token_budget, pooling
+        self.interleaved = interleaved
         self.vectors = np.empty((len(token_lists), runner.hidden_size), dtype=np.float32)
         self.batches = deque(input_batches([len(tokens) for tokens in token_lists], token_budget))
         self.run: EmbeddingRun | None = None
@@ -126,7 +129,7 @@ class EmbeddingJob:
         if self.run is None:
             inputs = [self.token_lists[i] for i in batch]
             self.run = EmbeddingRun(self.runner, inputs, self.token_budget,
-                                    private=sum(map(len, inputs)) > self.token_budget)
+                                    private=self.interleaved and sum(map(len, inputs)) > self.token_budget)
         if self.run.step():
             for index, state in zip(batch, self.run.states):
                 self.vectors[index] = pooled(state, self.pooling)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from basert.engine.drafts import DEFAULT_DRAFT_MAX, NGRAM_SIZES, Drafter, SharedNgrams, StepCosts
-from basert.engine.embeddings import POOLINGS, EmbeddingJob, check_inputs, hidden_states, input_batches, pooled
+from basert.engine.embeddings import POOLINGS, EmbeddingJob, check_inputs
 from basert.engine.info import ModelInfo
 from basert.engine.kv import BLOCK_SIZE, blocks_for
 from basert.engine.output import RequestOutput
@@ -456,16 +456,11 @@ class Engine:
         """Raise for the first input that cannot be embedded (none at all, empty, too long, bad token ids)."""
         check_inputs(token_lists, self.runner.vocab_size, self.runner.max_context)
 
-    def embedding_batches(self, token_lists: list[list[int]]) -> list[list[int]]:
-        """The inputs' indices grouped into the calls of `embed` that each run one token budget (or one long
-        input): a driver that interleaves them with steps keeps generation moving."""
-        return input_batches([len(tokens) for tokens in token_lists], self.token_budget)
-
     def start_embedding(self, token_lists: list[list[int]], pooling: str | None = None) -> EmbeddingJob:
         """`embed` of inputs that `check_embedding` accepted, one token budget per `EmbeddingJob.step()`, for a
         driver that runs generation steps in between (its KV is its own, so those steps cannot disturb it); the
         vectors are the bits `embed` gives."""
-        return EmbeddingJob(self.runner, token_lists, self.token_budget, self.pooling_of(pooling))
+        return EmbeddingJob(self.runner, token_lists, self.token_budget, self.pooling_of(pooling), interleaved=True)
 
     def pooling_of(self, pooling: str | None) -> str:
         pooling = pooling or self.info.pooling
@@ -479,13 +474,13 @@ class Engine:
         runs as a fresh scratch sequence: no slot, cached block or recurrent state is touched, and an input's
         vector is the same alone or with others."""
         self.check_embedding(token_lists)
-        pooling = self.pooling_of(pooling)
-        vectors = np.empty((len(token_lists), self.runner.hidden_size), dtype=np.float32)
-        for batch in self.embedding_batches(token_lists):
-            states = hidden_states(self.runner, [token_lists[i] for i in batch], self.token_budget)
-            for index, state in zip(batch, states):
-                vectors[index] = pooled(state, pooling)
-        return vectors
+        job = EmbeddingJob(self.runner, token_lists, self.token_budget, self.pooling_of(pooling), interleaved=False)
+        try:
+            while not job.step():
+                pass
+        finally:
+            job.close()
+        return job.vectors
 
     # --- saved state --------------------------------------------------------------------------
     def save_slot(self, slot_index: int, path: Path) -> SnapshotInfo:

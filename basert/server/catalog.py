@@ -119,7 +119,6 @@ class ModelEntry:
     loaded: trio.Event | None = None           # set when a load in progress ends (either way)
     actor_scope: trio.CancelScope | None = None
     actor_stopped: trio.Event | None = None    # set once its actor's task has ended (its last step done)
-    loads: int = 0                             # times it was loaded
 
     @property
     def file_bytes(self) -> int:
@@ -173,7 +172,7 @@ class ModelCatalog:
             self.entries.append(entry)
         entry.aliases |= model.aliases
         entry.name = model.info.id
-        entry.served, entry.state, entry.loads = model, "loaded", entry.loads + 1
+        entry.served, entry.state = model, "loaded"
         entry.last_used = current_time()
         entry.memory_bytes = memory_of(model)
         self._set_expiry(entry)
@@ -224,20 +223,6 @@ class ModelCatalog:
             raise ApiError(400, "several models are served: the request must name one", param="model",
                            code="invalid_value")
         return self.entry(name)
-
-    def named(self, name: str) -> ServedModel:
-        """The loaded model with this id or alias, else a 404 (for routes that look a loaded model up)."""
-        entry = self.entry(name)
-        if entry.served is None:
-            raise not_found(f"model {name!r} is not loaded", "model_not_loaded")
-        return entry.served
-
-    def resolve(self, name: str | None) -> ServedModel:
-        """The loaded model a request names (see `entry_for`), without loading it: a 404 if it is not loaded."""
-        entry = self.entry_for(name)
-        if entry.served is None or entry.state != "loaded":
-            raise not_found(f"model {entry.name!r} is not loaded", "model_not_loaded")
-        return entry.served
 
     # --- holding, loading, unloading --------------------------------------------------------
     async def acquire(self, name: str | None, keep_alive: float | None = None, *, strict: bool = False) -> ServedModel:

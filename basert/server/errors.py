@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 
 from pydantic import ValidationError
+from quart import Response, request
 
 from basert.errors import BaseRTError
 
@@ -78,3 +81,22 @@ def declared_error(exc: BaseRTError) -> ApiError:
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else {}
     return ApiError(exc.status, exc.client_message(), type=exc.error_type, code=exc.code, param=exc.param,
                     extra=exc.extra(), headers=headers)
+
+
+def envelope_rewriter(prefix: str, body_of: Callable[[int, str], dict]) -> Callable[[Response], Awaitable[Response]]:
+    """An after-request hook that rewrites the error envelope of every answer under `prefix` (the path itself, or
+    below it) as `body_of(status, message)`, keeping the status and headers, for an API whose clients read another
+    vendor's error shape. By path, not by blueprint: a refusal before the route, or a 404 or 405 that matched no
+    route, reaches no blueprint's hook."""
+
+    async def rewrite(response: Response) -> Response:
+        if not (request.path == prefix or request.path.startswith(prefix + "/")):
+            return response
+        if response.status_code < 400 or response.mimetype != "application/json":
+            return response
+        error = json.loads(await response.get_data()).get("error")
+        if isinstance(error, dict):
+            response.set_data(json.dumps(body_of(response.status_code, str(error.get("message", "")))))
+        return response
+
+    return rewrite

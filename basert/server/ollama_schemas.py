@@ -7,8 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictInt, field_validator, model_validator
 
-from basert.server.catalog import parse_keep_alive
-from basert.server.schemas import Lenient, Tool
+from basert.server.schemas import KeepAlive, Lenient, Tool
 
 # `think` as Ollama takes it: on or off, or a reasoning effort (gpt-oss), which turns thinking on.
 Think = bool | Literal["low", "medium", "high"]
@@ -47,12 +46,7 @@ class ModelRequest(Lenient):
 class KeptAlive(ModelRequest):
     """A body with `keep_alive`: a duration ("5m", "1h30m", "-1m") or seconds, parsed into seconds."""
 
-    keep_alive: float | None = None
-
-    @field_validator("keep_alive", mode="before")
-    @classmethod
-    def duration(cls, value: Any) -> float | None:
-        return None if value is None else parse_keep_alive(value)
+    keep_alive: KeepAlive = None
 
 
 class GenerationFields(KeptAlive):

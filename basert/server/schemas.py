@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from basert.engine.drafts import MAX_DRAFT_MAX
+from basert.server.catalog import parse_keep_alive
 
 # Token ids as logit_bias keys: ASCII digits only ("²", "①" and "٣" are digits to str.isdigit).
 TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")
@@ -236,8 +246,12 @@ class SlotFileRequest(Lenient):
     file_id: str | None = None
 
 
+# Ollama's keep-alive: a duration ("5m", "1h30m", "-1m") or seconds, parsed into seconds (negative: forever).
+KeepAlive = Annotated[float | None, BeforeValidator(lambda value: None if value is None else parse_keep_alive(value))]
+
+
 class ModelActionRequest(Lenient):
     """POST /models/load and /models/unload (llama-server's router): the model, and for a load how long it stays."""
 
     model: str = Field(min_length=1)
-    keep_alive: float | str | None = None
+    keep_alive: KeepAlive = None

@@ -1,6 +1,6 @@
 // The chat page: conversations kept in localStorage, replies streamed from POST /v1/chat/completions.
 
-import { api, el, forgetApiKey, formatRate, showKeyButton } from "./common.js";
+import { api, el, forgetApiKey, formatRate, hideBanner, showBanner, showKeyButton } from "./common.js";
 import { renderMarkdown } from "./markdown.js";
 
 const CONVERSATIONS_KEY = "basert.chat.conversations";
@@ -330,15 +330,6 @@ function scheduleRender() {
       if (atEnd) scrollToEnd();
     }
   });
-}
-
-function showBanner(message) {
-  $("banner").textContent = message;
-  $("banner").hidden = false;
-}
-
-function hideBanner() {
-  $("banner").hidden = true;
 }
 
 // --- conversations --------------------------------------------------------------------------------------------

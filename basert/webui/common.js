@@ -139,3 +139,14 @@ export function formatBytes(n) {
 export function formatRate(perSecond) {
   return Number.isFinite(perSecond) ? `${perSecond >= 100 ? perSecond.toFixed(0) : perSecond.toFixed(1)} tok/s` : "–";
 }
+
+/** Show `message` in the page's error banner (the element with id "banner"). */
+export function showBanner(message) {
+  const banner = document.getElementById("banner");
+  banner.textContent = message;
+  banner.hidden = false;
+}
+
+export function hideBanner() {
+  document.getElementById("banner").hidden = true;
+}

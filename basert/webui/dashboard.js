@@ -1,7 +1,9 @@
 // The server dashboard: polls GET /v1/models, GET /metrics (Prometheus text) and GET /slots every second, draws
 // the last minutes on <canvas> charts, and offers the slot and model admin actions to clients allowed to use them.
 
-import { ApiError, api, askText, el, forgetApiKey, formatBytes, formatRate, postJson, showKeyButton } from "./common.js";
+import {
+  ApiError, api, askText, el, forgetApiKey, formatBytes, formatRate, hideBanner, postJson, showBanner, showKeyButton,
+} from "./common.js";
 
 const POLL_MS = 1000;
 const HIDDEN_POLL_MS = 5000;
@@ -395,15 +397,6 @@ async function unload(model) {
 }
 
 // --- start ----------------------------------------------------------------------------------------------------
-
-function showBanner(message) {
-  $("banner").textContent = message;
-  $("banner").hidden = false;
-}
-
-function hideBanner() {
-  $("banner").hidden = true;
-}
 
 /** Run `task` after every task run through here before it has ended. */
 function exclusive(task) {

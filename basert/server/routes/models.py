@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from quart import Blueprint
 
-from basert.server.catalog import parse_keep_alive
-from basert.server.errors import ApiError, invalid
+from basert.server.errors import ApiError
 from basert.server.json_input import request_json
 from basert.server.routes.openai import model_object
 from basert.server.schemas import ModelActionRequest
@@ -21,13 +20,7 @@ async def load_model():
     body = ModelActionRequest.model_validate(await request_json())
     catalog = server_state().catalog
     entry = catalog.entry(body.model)
-    keep_alive = None
-    if body.keep_alive is not None:
-        try:
-            keep_alive = parse_keep_alive(body.keep_alive)
-        except ValueError as exc:
-            raise invalid(str(exc), "keep_alive") from None
-    await catalog.acquire(entry.name, keep_alive, strict=True)
+    await catalog.acquire(entry.name, body.keep_alive, strict=True)
     return {"success": True, "model": model_object(entry)}
 
 

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import AsyncIterator
@@ -14,7 +13,7 @@ from quart import Blueprint, Response, current_app, request
 
 from basert.server.access_log import RequestRecord
 from basert.server.catalog import ModelCatalog, ModelEntry, ModelLoadError
-from basert.server.errors import ApiError, not_supported, to_api_error
+from basert.server.errors import ApiError, envelope_rewriter, not_supported, to_api_error
 from basert.server.json_input import request_json
 from basert.server.ollama_api import (
     Clock,
@@ -243,17 +242,5 @@ async def unsupported(digest: str | None = None):
                         "(install them with basert pull or basert convert)")
 
 
-@ollama.after_app_request
-async def ollama_error_envelope(response: Response) -> Response:
-    """Rewrite the server's error envelope under /api/ (however the error arose: a refusal before the route, an
-    exception in it, a method or path no route has) as Ollama's {"error": message}, keeping the status and the
-    headers (Retry-After)."""
-    # By path, not by blueprint: a 404 or 405 matched no route, so no blueprint's hook would run.
-    if not (request.path == "/api" or request.path.startswith("/api/")):
-        return response
-    if response.status_code < 400 or response.mimetype != "application/json":
-        return response
-    error = json.loads(await response.get_data()).get("error")
-    if isinstance(error, dict):
-        response.set_data(json.dumps(error_body(str(error.get("message", "")))))
-    return response
+# Ollama's clients read {"error": message}, whatever the status (headers such as Retry-After stay).
+ollama.after_app_request(envelope_rewriter("/api", lambda status, message: error_body(message)))
