@@ -48,7 +48,6 @@ class ServedModel:
     template: ChatTemplate | None
     dialect: str
     grammars: object | None = None           # GrammarFactory, built lazily on first constrained request
-    aliases: set[str] = field(default_factory=set)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -161,16 +160,16 @@ class ModelCatalog:
 
     def add(self, model: ServedModel, alias: str | None = None, *, entry: ModelEntry | None = None) -> ModelEntry:
         """Serve the loaded `model`; an `alias` becomes the id it is reported by (its own id still names it)."""
-        model.aliases.add(model.info.id)
+        names = {model.info.id}
         if model.info.path.name != MODEL_FILE_NAME:   # a file of its own: its name names it too
-            model.aliases |= {model.info.path.name, model.info.path.stem}
+            names |= {model.info.path.name, model.info.path.stem}
         if alias:
             model.info = replace(model.info, id=alias)
-            model.aliases.add(alias)
+            names.add(alias)
         if entry is None:
             entry = ModelEntry(name=model.info.id, aliases=set(), path=model.info.path, from_command_line=True)
             self.entries.append(entry)
-        entry.aliases |= model.aliases
+        entry.aliases |= names
         entry.name = model.info.id
         entry.served, entry.state = model, "loaded"
         entry.last_used = current_time()
@@ -190,8 +189,6 @@ class ModelCatalog:
         if same is not None:
             same.aliases |= names
             same.spec = same.spec or entry.spec
-            if same.served is not None:
-                same.served.aliases |= names
         elif entry.name not in taken:
             entry.aliases = names
             self.entries.append(entry)
