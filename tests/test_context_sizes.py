@@ -1,6 +1,7 @@
 """How big a context each slot gets and how big the KV pool is: the model's trained context by default, llama.cpp's
--c as the context over all slots, everything within a memory budget; what the model or the memory cannot hold is
-a one-line start-up error (exit 1) when it was asked for, and a smaller shared pool when it was a default."""
+-c as the context over all slots, everything within a memory budget; a context beyond the trained one is served with
+one warning (as llama-server serves it); what the memory cannot hold is a one-line start-up error (exit 1) when it
+was asked for, and a smaller shared pool when it was a default."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from basert.engine.build import ContextSizeError, EngineOptions, build_engine, plan_context
+from basert.engine.build import ContextSizeError, EngineOptions, build_engine, context_warning, plan_context
 from basert.format import BaseFile
 from basert.models import read_config
 from basert.testing.launcher import ServerProcess
@@ -51,12 +52,27 @@ def test_the_trained_context_by_default_and_c_split_over_the_slots(smollm2_confi
     assert plan(smollm2_config, n_slots=4, max_context=2048) == (2048, 4 * 2048)
     assert plan(smollm2_config, n_slots=4, max_context=2048, kv_cache_tokens=4096) == (2048, 4096)
     assert plan(smollm2_config, n_slots=4, kv_cache_tokens=4096) == (4096, 4096)   # no context beyond the pool
-    # Beyond the trained context: refused where asked (the server), allowed elsewhere (a benchmark at depth).
-    with pytest.raises(ContextSizeError, match="16384 tokens per slot .--max-context. is beyond the 8192 tokens"):
-        plan(smollm2_config, max_context=16384, within_trained=True)
-    with pytest.raises(ContextSizeError, match="-c/--ctx-size over the slots"):
-        plan(smollm2_config, n_slots=2, context_total=32768, within_trained=True)
+    # Beyond the trained context: allowed, with a warning that names the flag; cut to it for a model loaded on
+    # demand (fit_trained).
     assert plan(smollm2_config, max_context=16384) == (16384, 16384)
+    assert plan(smollm2_config, n_slots=2, context_total=32768) == (16384, 32768)
+    assert plan(smollm2_config, max_context=16384, fit_trained=True) == (8192, 8192)
+    assert plan(smollm2_config, n_slots=2, context_total=32768, fit_trained=True) == (8192, 32768)
+
+
+@pytest.mark.parametrize(("fields", "warning"), [
+    ({"max_context": 16384}, "a context of 16384 tokens per slot (--max-context) is beyond the 8192 tokens the model "
+                             "was trained on: output past position 8192 may degrade"),
+    ({"n_slots": 2, "context_total": 32768}, "a context of 16384 tokens per slot (-c/--ctx-size over the slots)"),
+    ({"max_context": 16384, "context_total": 16384}, "a context of 16384 tokens per slot (-c/--ctx-size) is beyond"),
+    ({"max_context": 8192}, None),
+    ({"n_slots": 4, "context_total": 32768}, None),
+])
+def test_a_context_beyond_the_trained_one_has_a_warning(smollm2_config, fields, warning):
+    options = EngineOptions(**{"max_context": None, **fields}).resolved()
+    max_context, _ = plan_context(options, smollm2_config, 64 * GIB)
+    found = context_warning(options, smollm2_config, max_context)
+    assert (found is None) if warning is None else found.startswith(warning), found
     # -c split between slots must leave each at least 2 tokens; one pool that any slot fills (as llama-server
     # without -np) needs 2 in all.
     with pytest.raises(ValueError, match="a total context of 7 tokens .-c. leaves a slot less than 2"):
@@ -139,16 +155,15 @@ def serve(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (("--max-context", "16384"), "a context of 16384 tokens per slot (--max-context) is beyond the 8192 tokens the "
-                                 "model was trained on"),
-    (("-c", "65536", "-np", "2"), "a context of 32768 tokens per slot (-c/--ctx-size over the slots) is beyond"),
-    (("-c", "16384"), "a context of 16384 tokens per slot (-c/--ctx-size) is beyond"),
     (("-c", "8192", "--kv-memory", "1MiB"), "a KV pool of 8192 tokens needs 0.18 GiB, more than the --kv-memory "
                                             "budget of 0.00 GiB"),
+    # Beyond the trained context, what the memory cannot hold is still refused.
+    (("--max-context", "65536", "--kv-memory", "256MiB"), "a KV pool of 65536 tokens needs 1.41 GiB, more than the "
+                                                          "--kv-memory budget of 0.25 GiB"),
     (("-ctk", "q4_9"), "unknown KV cache type 'q4_9': use one of f32, f16, bf16, q8_0 (--cache-type-k)"),
     (("--cache-type-v", "int8"), "unknown KV cache type 'int8': use one of f32, f16, bf16, q8_0 (--cache-type-v)"),
 ])
-def test_serve_refuses_what_the_model_or_the_memory_cannot_hold(smollm2_base: Path, flags, message):
+def test_serve_refuses_what_the_memory_cannot_hold(smollm2_base: Path, flags, message):
     result = serve(str(smollm2_base), *flags)
     assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
@@ -173,6 +188,27 @@ def test_serve_takes_the_trained_context_and_c_as_llama_cpp(smollm2_base: Path, 
         props = httpx.get(server.url + "/props").json()
         assert props["default_generation_settings"]["n_ctx"] == 4096 and props["total_slots"] == 4
         assert "4 slot(s), KV paged: 256 blocks of 16 tokens" in server.log_text()
+
+
+@pytest.mark.parametrize(("flags", "flag"), [(("-c", "8192"), "-c/--ctx-size"),
+                                             (("--max-context", "4096"), "--max-context")])
+def test_serve_beyond_the_trained_context_warns_once_and_answers(qwen35_chat_base: Path, tmp_path: Path, flags, flag):
+    """As llama-server with a fixed -c: a model trained on 2,048 tokens (the tiny hybrid) starts with one warning line,
+    /props repeats it, and a prompt past position 2,048 is answered."""
+    n_ctx = int(flags[1])
+    warning = (f"a context of {n_ctx} tokens per slot ({flag}) is beyond the 2048 tokens the model was trained on: "
+               "output past position 2048 may degrade")
+    with ServerProcess(qwen35_chat_base, *flags, log_path=tmp_path / "beyond.log") as server:
+        props = httpx.get(server.url + "/props").json()
+        assert props["n_ctx_train"] == 2048 and props["default_generation_settings"]["n_ctx"] == n_ctx
+        assert props["warnings"] == [warning]
+        response = httpx.post(server.url + "/completion", json={"prompt": "hi " * 3000, "n_predict": 4,
+                                                               "temperature": 0}, timeout=120)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["tokens_evaluated"] > 2048 and answer["tokens_predicted"] == 4
+    warnings = [line for line in server.log_text().splitlines() if " WARNING " in line]
+    assert len(warnings) == 1 and warnings[0].endswith(warning), warnings
 
 
 def test_serve_with_q8_0_kv_reports_its_smaller_pool(smollm2_base: Path, smollm2_config, tmp_path: Path):

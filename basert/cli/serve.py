@@ -20,12 +20,22 @@ log = logging.getLogger("basert.serve")
 
 DEFAULT_LANES = 4  # slots batched together when no flag says otherwise
 KV_TYPE_NAMES = ", ".join(KV_TYPES)
-# How long the requests the server ends when it stops get to send their error (a stream, its last events).
-ENDED_ANSWER_SECONDS = 5.0
 AUTO_MEMORY_SHARE = 0.9  # --memory-budget auto: this share of the memory available at start
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of `basert serve`, in the order --help lists them (`basert cluster` takes them too)."""
+    add_model_arguments(p)
+    add_listen_arguments(p)
+    add_context_arguments(p)
+    add_slot_arguments(p)
+    add_server_arguments(p)
+    add_generation_arguments(p)
+    add_operation_arguments(p)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The models served, and how those loaded on demand come and go."""
     p.add_argument("model_arg", nargs="?", metavar="MODEL",
                    help="a .base file, an installed id (org/name[:variant]), a .gguf file or an HF directory "
                    "(converted into the models dir on first use); default: SmolLM2-135M-Instruct")
@@ -47,15 +57,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a model loaded on demand stays loaded after its last request (default 5m; a "
                    "number of seconds or a duration such as 30s, 1h; negative: until unloaded); requests override "
                    "it with keep_alive. Models named on the command line stay loaded unless a request says otherwise")
+
+
+def add_listen_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the server listens and who may call it."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="bind port (default 8080)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require Authorization: Bearer KEY or X-Api-Key: KEY (repeatable)")
     p.add_argument("--api-key-file", type=Path,
                    help="file with one API key per line (blank lines ignored; a file without a key is an error)")
+
+
+def add_context_arguments(p: argparse.ArgumentParser) -> None:
+    """The context of each slot, the KV pool that holds it, and the engine's arithmetic and threads."""
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="context window of each slot in tokens (default: -c's share, else the context the model "
-                   "was trained on; beyond it is refused), within --kv-memory")
+                   "was trained on; beyond it is allowed with a warning, as the model never saw those positions; "
+                   "models loaded on demand are cut to it), within --kv-memory")
     p.add_argument("--ctx-size", "-c", dest="context_total", type=int, default=None, metavar="N",
                    help="tokens of context over all slots, as llama.cpp's -c: the shared KV pool holds N tokens; "
                    "with -np/--slots each slot gets N / slots, without it any slot may use all N")
@@ -80,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=int, metavar="N",
                    help="size of the paged KV pool in tokens (default: -c, else slots x max-context within "
                    "--kv-memory); implies --paged-kv")
+
+
+def add_slot_arguments(p: argparse.ArgumentParser) -> None:
+    """The slots that run requests together, and the prefix cache they share."""
     p.add_argument("--continuous-batching", type=int, nargs="?", const=8, default=None, metavar="N",
                    help=f"N slots decoded together in one forward, with chunked prefill; implies --paged-kv "
                    f"(default on: {DEFAULT_LANES} slots, or -np N; the flag alone means 8)")
@@ -97,6 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(serving one model, a PATH.<model id> file that earlier versions wrote is renamed to PATH once)")
     p.add_argument("--prefix-cache-save-interval", type=float, default=0.0, metavar="SEC",
                    help="also save the prefix cache file every SEC seconds (default 0: only at shutdown)")
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The HTTP server: limits, logs, files, endpoints, queues, draining and browsers."""
     p.add_argument("--request-timeout", type=int, default=0, metavar="MS",
                    help="stop a generation MS milliseconds after it arrived, in the middle of its prompt's prefill "
                    "too (finish_reason length, with the tokens so far; one still waiting for a slot gets 503 "
@@ -137,6 +164,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="without --api-key, also answer requests whose Host header is NAME (repeatable; '*' any); "
                    "IP addresses, localhost and --host are always answered, other names get 403 (a page could "
                    "rebind its own name to this server's address)")
+
+
+def add_generation_arguments(p: argparse.ArgumentParser) -> None:
+    """How requests are answered: pooled embeddings, speculative decoding, a full context."""
     p.add_argument("--pooling", choices=("mean", "last", "cls"), default="mean",
                    help="how /v1/embeddings pools the last hidden states of an input: mean, last token, or cls "
                    "(first token); the vector is L2-normalised (default mean)")
@@ -157,6 +188,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", dest="n_keep", type=int, default=0, metavar="N",
                    help="with --context-shift: the prompt tokens a shift keeps, -1 all of them (default 0; a request "
                    "sets its own with n_keep)")
+
+
+def add_operation_arguments(p: argparse.ArgumentParser) -> None:
+    """Running as a cluster replica, and the checks at load."""
     p.add_argument("--replica", type=int, metavar="K",
                    help="serve as replica K of a cluster (`basert cluster` sets it): the prefix cache file becomes "
                    "PATH.<K> (PATH.<model id>.<K> with several models), so a restarted replica warms from its own "
@@ -279,7 +314,6 @@ def engine_options(args: argparse.Namespace):
         kv_cache_tokens=args.kv_cache_tokens,
         context_total=args.context_total,
         kv_memory=args.kv_memory,
-        within_trained=True,
         cache_type_k=args.cache_type_k,
         cache_type_v=args.cache_type_v,
         threads=args.threads,
@@ -440,24 +474,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import trio
-    from hypercorn.config import Config
-    from hypercorn.trio import serve as hypercorn_serve
-
-    from basert.actor.messages import FailGenerations
-    from basert.cli.generate import model_path_for
-    from basert.engine.build import ModelOptionsError, available_memory
-    from basert.format.atomic import remove_stale_temp_files
-    from basert.format.errors import ModelValidationError
-    from basert.server.app import ServerSettings, create_app, is_loopback
-    from basert.server.asgi import RequestGuard, use_envelope_protocol_errors
-    from basert.server.catalog import LoadPolicy, ModelCatalog
-    from basert.server.errors import unavailable
-    from basert.server.files import FilesStore
-    from basert.server.generation import ServerLimits
-
+    """Start as plan -> build -> listen: check the keys and hold the port, load the models into a catalog and wrap
+    it in the HTTP app, then serve until a signal drains the server; the caches are saved last."""
     parent = os.getppid()   # before the (slow) load: a parent that dies meanwhile is noticed too
     keys = read_api_keys(args)
+    config = bound_config(args, keys)
+    budget = args.memory_budget
+    if budget == "auto":
+        from basert.engine.build import available_memory
+
+        budget = int(available_memory() * AUTO_MEMORY_SHARE)
+    catalog = build_catalog(args, budget)
+    app = build_app(args, catalog, keys)
+    run_server(args, app, catalog, config, parent)
+    catalog.close()  # the actors have stopped: nothing races the prefix cache saves
+    log.info("stopped")
+    return 0
+
+
+def bound_config(args: argparse.Namespace, keys: list[str]):
+    """Hypercorn's config, its socket already listening; the directories the flags name, prepared."""
+    from hypercorn.config import Config
+
+    from basert.format.atomic import remove_stale_temp_files
+    from basert.server.app import is_loopback
+
     config = Config()
     config.bind = [f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"]
     config.accesslog = None
@@ -472,14 +513,20 @@ def serve(args: argparse.Namespace) -> int:
         remove_stale_temp_files(args.slot_save_path)
     if args.models_dir is not None:
         os.environ["BASERT_MODELS_DIR"] = str(args.models_dir.expanduser())
-    specs = model_specs(args)
-    budget = args.memory_budget
-    if budget == "auto":
-        budget = int(available_memory() * AUTO_MEMORY_SHARE)
+    return config
+
+
+def build_catalog(args: argparse.Namespace, budget: int):
+    """The catalog: the models the command line names, loaded now, and every other servable one, on demand."""
+    from basert.cli.generate import model_path_for
+    from basert.engine.build import ModelOptionsError
+    from basert.format.errors import ModelValidationError
+    from basert.server.catalog import LoadPolicy, ModelCatalog
+
     catalog = ModelCatalog(model_loader(args), LoadPolicy(max_loaded=args.max_loaded_models, memory_budget=budget,
                                                          keep_alive=args.keep_alive,
                                                          queue_timeout=args.queue_timeout))
-    for spec in specs or [None]:
+    for spec in model_specs(args) or [None]:
         path = model_path_for(spec)
         try:
             model = load_model(path, args)
@@ -492,6 +539,15 @@ def serve(args: argparse.Namespace) -> int:
     log.info("serving %d model(s): %s loaded, the others on demand (at most %s loaded, memory budget %s)",
              len(catalog.entries), ", ".join(m.info.id for m in catalog.models), args.max_loaded_models or "any",
              f"{budget / 2**30:.1f} GiB" if budget else "none")
+    return catalog
+
+
+def build_app(args: argparse.Namespace, catalog, keys: list[str]):
+    """The quart-trio app over the catalog, with the flags' settings."""
+    from basert.server.app import ServerSettings, create_app
+    from basert.server.files import FilesStore
+    from basert.server.generation import ServerLimits
+
     settings = ServerSettings(
         api_keys=keys,
         limits=ServerLimits(default_max_tokens=args.max_tokens, request_timeout_ms=args.request_timeout),
@@ -505,10 +561,19 @@ def serve(args: argparse.Namespace) -> int:
         metrics_endpoint=args.metrics,
         webui=args.webui,
     )
-    app = create_app(catalog, settings)
+    return create_app(catalog, settings)
+
+
+def run_server(args: argparse.Namespace, app, catalog, config, parent: int) -> None:
+    """Serve HTTP and run the catalog's actors on trio until a signal (or the parent's exit) has drained them."""
+    import trio
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from basert.server.asgi import RequestGuard, use_envelope_protocol_errors
+    from basert.server.lifetime import ServerLifetime
+
     guarded = RequestGuard(app)
     use_envelope_protocol_errors()
-
     # Until trio's receiver takes over (and again after it hands back, while the caches are saved) a signal is
     # only noted: the process must not die between loading and serving, nor in the middle of the final save.
     early_signals: list[int] = []
@@ -516,62 +581,17 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda received, _frame: early_signals.append(received))
 
     async def main() -> None:
-        shutdown = trio.Event()
-
-        async def stop() -> None:
-            # Generations still running are ended with a 503 before the server stops, so that every client gets an
-            # answer: a stream ends with its API's error event and a complete body instead of being cut off.
-            error = unavailable("the server is shutting down and stopped this request", "draining", retry_after=5)
-            for model in catalog.models:
-                model.actor.mailbox.send_nowait(FailGenerations(error))
-            with trio.move_on_after(ENDED_ANSWER_SECONDS):
-                await guarded.wait_idle()
-            shutdown.set()
-
-        async def drain() -> None:
-            app.basert_state.draining = True
-            with trio.move_on_after(args.drain_timeout) as waiting:
-                await guarded.wait_idle()
-            if waiting.cancelled_caught:
-                log.warning("drain timeout: %d request(s) still running are ended with a 503", guarded.in_flight)
-            await stop()
-
-        async def handle_signals(nursery: trio.Nursery) -> None:
-            # The receiver stays open until the end, so a second signal cuts the drain short instead of
-            # killing the process before the caches are saved.
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                if early_signals:
-                    log.info("received %s before serving: draining", signal.Signals(early_signals[0]).name)
-                    nursery.start_soon(drain)
-                async for signum in signals:
-                    name = signal.Signals(signum).name
-                    if app.basert_state.draining:
-                        log.info("received %s again: ending the running requests and stopping", name)
-                        nursery.start_soon(stop)
-                    else:
-                        log.info("received %s: draining (new requests get 503; up to %.0f s for running ones)",
-                                 name, args.drain_timeout)
-                        nursery.start_soon(drain)
-
-        async def watch_parent(nursery: trio.Nursery) -> None:
-            while os.getppid() == parent:
-                await trio.sleep(0.5)
-            log.info("the parent process %d exited: draining", parent)
-            nursery.start_soon(drain)
-
+        lifetime = ServerLifetime(app, guarded, catalog, args.drain_timeout)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(handle_signals, nursery)
+            nursery.start_soon(lifetime.handle_signals, nursery, early_signals)
             if args.exit_with_parent:
-                nursery.start_soon(watch_parent, nursery)
+                nursery.start_soon(lifetime.watch_parent, nursery, parent)
             await nursery.start(catalog.run)
             log.info("listening on http://%s:%d", args.host, args.port)
-            await hypercorn_serve(guarded, config, shutdown_trigger=shutdown.wait)
+            await hypercorn_serve(guarded, config, shutdown_trigger=lifetime.shutdown.wait)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    catalog.close()  # the actors have stopped: nothing races the prefix cache saves
-    log.info("stopped")
-    return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

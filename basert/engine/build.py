@@ -45,8 +45,8 @@ class EngineOptions:
     kv_cache_tokens: int | None = None  # size of the paged pool (default: n_slots x max_context)
     context_total: int | None = None    # llama.cpp's -c: tokens of context over all slots (the pool's size)
     kv_memory: int | None = None        # bytes the KV pool may take (default: KV_MEMORY_SHARE of available memory)
-    within_trained: bool = False        # refuse a context beyond the model's trained one (the server does) ...
-    fit_trained: bool = False           # ... or cut it to the trained one (a model the server loads on demand)
+    fit_trained: bool = False           # cut a context beyond the model's trained one to it (a model loaded on
+                                        # demand); else it is allowed, with a warning (`context_warning`)
     cache_type_k: str = "f16"           # how K and V rows are stored: a name of basert._ext.kvtypes (llama.cpp's)
     cache_type_v: str = "f16"
     threads: int | None = None          # default: every core this process may run on
@@ -138,22 +138,18 @@ def plan_context(options: EngineOptions, config: DecoderConfig, available: int |
     """(tokens of context per slot, tokens of the KV pool) for options that are resolved and checked.
 
     The context per slot is --max-context, else -c's share (context_total / n_slots), else the model's trained
-    context (DEFAULT_CONTEXT when the model does not say), which options.within_trained makes a limit. The pool
-    is --kv-cache-tokens, else -c, else one full context per slot, and its bytes must fit the memory budget
-    (kv_memory, default KV_MEMORY_SHARE of `available` memory): a pool that was asked for and does not fit is a
-    ContextSizeError, and so is a context beyond the trained one; a default pool shrinks to what fits, shared by
-    paged slots (a default context no larger than it) or split between slots that reserve their context."""
+    context (DEFAULT_CONTEXT when the model does not say); one asked for beyond the trained context is allowed (as
+    llama-server does; see `context_warning`) unless options.fit_trained cuts it. The pool is --kv-cache-tokens,
+    else -c, else one full context per slot, and its bytes must fit the memory budget (kv_memory, default
+    KV_MEMORY_SHARE of `available` memory): a pool that was asked for and does not fit is a ContextSizeError; a
+    default pool shrinks to what fits, shared by paged slots (a default context no larger than it) or split between
+    slots that reserve their context."""
     per_token, window_bytes = kv_bytes(options, config)
     trained = config.trained_context
-    asked = options.max_context or (options.context_total // options.n_slots if options.context_total else None)
+    asked = asked_context(options)
     max_context = asked or trained or DEFAULT_CONTEXT
     if trained and max_context > trained and options.fit_trained:
         max_context = trained
-    if trained and max_context > trained and options.within_trained:
-        flag = ("-c/--ctx-size" if options.max_context == options.context_total else
-                "--max-context" if options.max_context else "-c/--ctx-size over the slots")
-        raise ContextSizeError(f"a context of {max_context} tokens per slot ({flag}) is beyond the "
-                               f"{trained} tokens the model was trained on")
     pool_asked = options.kv_cache_tokens or options.context_total
     pool = pool_asked or options.n_slots * max_context
     if not asked:   # a default context is never larger than the pool asked for
@@ -184,13 +180,29 @@ def plan_context(options: EngineOptions, config: DecoderConfig, available: int |
     return max_context, pool
 
 
+def asked_context(options: EngineOptions) -> int | None:
+    """The context per slot that the options ask for: --max-context, else -c's share; None for the default."""
+    return options.max_context or (options.context_total // options.n_slots if options.context_total else None)
+
+
+def context_warning(options: EngineOptions, config: DecoderConfig, max_context: int) -> str | None:
+    """The one-line warning for a context per slot beyond the one the model was trained on (None within it):
+    positions past the trained context are served, but the model never saw them and may answer poorly."""
+    trained = config.trained_context
+    if not trained or max_context <= trained:
+        return None
+    flag = ("-c/--ctx-size" if options.max_context == options.context_total else
+            "--max-context" if options.max_context else "-c/--ctx-size over the slots")
+    return (f"a context of {max_context} tokens per slot ({flag}) is beyond the {trained} tokens the model was "
+            f"trained on: output past position {trained} may degrade")
+
+
 def kv_bytes(options: EngineOptions, config: DecoderConfig) -> tuple[int, int]:
     """(KV bytes per token of context of the layers that keep every position, bytes of the sliding-window layers'
     pool) for resolved options."""
     k_type, v_type = kv_types(options, config)
     row_bytes = config.num_key_value_heads * (k_type.row_bytes(config.head_dim) + v_type.row_bytes(config.head_dim))
-    asked = options.max_context or (options.context_total // options.n_slots if options.context_total else None)
-    max_context = asked or config.trained_context or DEFAULT_CONTEXT
+    max_context = asked_context(options) or config.trained_context or DEFAULT_CONTEXT
     window_bytes = config.window_layers * row_bytes * BLOCK_SIZE * window_pool_blocks(
         config.window, options.n_slots, options.token_budget, max_context)
     return config.kv_layers * row_bytes, window_bytes
@@ -209,7 +221,7 @@ def planned_memory(path: str | Path, options: EngineOptions = EngineOptions()) -
 
 def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> Engine:
     """Open a .base model and wire its engine; raises ModelValidationError for a file that cannot serve,
-    ContextSizeError for a context the model or the memory cannot hold, ValueError for options that cannot
+    ContextSizeError for a context or pool the memory cannot hold, ValueError for options that cannot
     work."""
     options = options.resolved()
     options.check()
@@ -217,6 +229,9 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
     with BaseFile(path, verify_checksums=False) as base:
         config = read_config(base)
     max_context, pool = plan_context(options, config)
+    warning = context_warning(options, config, max_context)
+    if warning:
+        log.warning("%s", warning)
     options = replace(options, max_context=max_context)
     kv_blocks = blocks_for(pool) if options.paged_kv else None
     runner = ModelRunner(path, max_context=options.max_context, threads=options.threads,
@@ -244,7 +259,8 @@ def build_engine(path: str | Path, options: EngineOptions = EngineOptions()) -> 
                                           ("prefix_cache_file", options.prefix_cache_file is not None),
                                           ("context_shift", options.context_shift)) if on}
         info = ModelInfo(id=model_id, path=path, arch=runner.arch, vocab_size=runner.vocab_size,
-                         n_ctx=options.max_context, fingerprint=runner.fingerprint,
+                         n_ctx=options.max_context, n_ctx_train=config.trained_context,
+                         warnings=(warning,) if warning else (), fingerprint=runner.fingerprint,
                          hybrid=runner.n_linear_layers > 0, n_slots=options.n_slots,
                          hidden_size=runner.hidden_size, n_keep=options.n_keep, pooling=options.pooling,
                          features=frozenset(features))

@@ -25,6 +25,8 @@ class ModelInfo:
     hidden_size: int             # the width of the last hidden states: the size of an embedding
     n_keep: int = 0              # with context shift: the prompt tokens a shift keeps by default (-1: all)
     pooling: str = "mean"        # how Engine.embed pools a sequence's hidden states by default: mean, last, cls
+    n_ctx_train: int | None = None  # the context the model was trained on, if its file says
+    warnings: tuple[str, ...] = ()  # what an operator should know about how it is served (a context beyond n_ctx_train)
     features: frozenset[str] = frozenset()  # "continuous_batching", "paged_kv", "prefix_cache", "prefix_cache_file",
                                             # "context_shift"
 

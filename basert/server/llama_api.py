@@ -338,7 +338,8 @@ def default_generation_settings(model: ServedModel, limits: ServerLimits) -> dic
 
 
 def props(model: ServedModel, limits: ServerLimits) -> dict:
-    """GET /props: the served model, its context and slots, its chat template and special tokens."""
+    """GET /props: the served model, its context and slots, its chat template and special tokens, and the warnings
+    of its start (a context beyond the trained one)."""
     tokenizer = model.tokenizer
     idle = {"id": 0, "model": model.info.id, "is_processing": False, "n_ctx": model.info.n_ctx, "request_id": None}
     return {
@@ -351,6 +352,8 @@ def props(model: ServedModel, limits: ServerLimits) -> dict:
         "bos_token": (tokenizer.bos_token or "") if tokenizer is not None else "",
         "eos_token": (tokenizer.eos_token or "") if tokenizer is not None else "",
         "build_info": f"basert-{__version__}",
+        "n_ctx_train": model.info.n_ctx_train,
+        "warnings": list(model.info.warnings),
     }
 
 
