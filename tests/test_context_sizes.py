@@ -129,6 +129,8 @@ def test_the_planned_bytes_are_the_pool_bytes_on_every_family(tiny_f32_bases: di
     for name, path in {**tiny_f32_bases, "gemma3": gemma3_base}.items():
         with BaseFile(path) as base:
             config = read_config(base)
+        if "q8_0" in (k, v) and config.head_dim % 32:
+            continue   # q8_0 rows hold 32 values: not the tiny Qwen2's heads of 16
         options = EngineOptions(max_context=256, n_slots=1, paged_kv=True, kv_cache_tokens=256, cache_type_k=k,
                                 cache_type_v=v)
         assert plan_context(options, config) == (256, 256)

@@ -14,6 +14,7 @@ from gguf_files import random_blocks, write_gguf
 from safetensors.numpy import load_file
 
 from basert.convert import ConvertError, convert
+from basert.engine.runner import ModelRunner
 from basert.format import BaseFile
 from basert.format.quant import bf16_bits_to_f32, f32_to_bf16_bits
 
@@ -67,7 +68,7 @@ def expected_tiny_tensors(name: str) -> dict[str, np.ndarray]:
     model_dir = FIXTURES / "refdata" / "models" / name
     raw = load_file(model_dir / "model.safetensors")
     config = json.loads((model_dir / "config.json").read_text())
-    hybrid = config["model_type"] != "qwen3"
+    hybrid = config["model_type"] not in ("qwen2", "qwen3")
     out: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for key, value in raw.items():
@@ -118,14 +119,17 @@ def test_tiny_models_round_trip_exactly_at_f32(name: str, tiny_f32_bases: dict[s
             assert base.array(key).shape == value.shape, key
             assert np.array_equal(base.array(key), value), key
         assert base.source_format == "hf_safetensors"
-        expected_arch = {"qwen3-tiny": "qwen", "qwen3_5-tiny": "qwen35"}.get(name, "qwen35moe")
+        dense = name in ("qwen2-tiny", "qwen3-tiny")
+        expected_arch = {"qwen2-tiny": "qwen", "qwen3-tiny": "qwen", "qwen3_5-tiny": "qwen35"}.get(name, "qwen35moe")
         assert base.arch == expected_arch
-        assert base.config["norm_plus_one_folded"] is (name != "qwen3-tiny")
+        assert base.config["norm_plus_one_folded"] is not dense
         assert base.config["rope_style"] == "split_half"
-        assert base.config["rotary_dim"] == (32 if name == "qwen3-tiny" else 8)
-        assert base.config["tie_word_embeddings"] is (name == "qwen3-tiny")
-        assert base.config["qk_norm"] is True
-        if name != "qwen3-tiny":
+        assert base.config["rotary_dim"] == {"qwen2-tiny": 16, "qwen3-tiny": 32}.get(name, 8)
+        assert base.config["tie_word_embeddings"] is dense
+        assert base.config["qk_norm"] is (name != "qwen2-tiny")
+        # Qwen2's q, k and v projections carry biases.
+        assert ("layers.0.self_attn.k_proj.bias" in base.tensors) is (name == "qwen2-tiny")
+        if not dense:
             assert base.config["layer_types"][3] == "full_attention"
             assert base.tensors["layers.0.linear_attn.A_log"].flags & (1 << 3)
 
@@ -143,6 +147,35 @@ def test_qwen3_next_split_reassembles_to_the_fused_source(tiny_f32_bases: dict[s
                         v.reshape(n_k, r * d_v, -1), z.reshape(n_k, r * d_v, -1)], axis=1)
     ]).reshape(fused.shape)
     assert np.array_equal(rebuilt, fused)
+
+
+def test_gguf_qwen2_attention_biases_are_converted(tmp_path: Path):
+    """Qwen2 GGUFs carry the q, k and v projections' biases as blk.N.attn_{q,k,v}.bias: they become the .base
+    tensors the attention adds (dropping them, as once happened, leaves a model that writes nonsense)."""
+    hf = load_file(FIXTURES / "refdata" / "models" / "qwen2-tiny" / "model.safetensors")
+    layer = "model.layers.0."
+    names = {
+        "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "blk.0.attn_norm.weight": layer + "input_layernorm.weight",
+        "blk.0.ffn_norm.weight": layer + "post_attention_layernorm.weight",
+        "blk.0.attn_output.weight": layer + "self_attn.o_proj.weight",
+        **{f"blk.0.attn_{p}.{kind}": f"{layer}self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")},
+        **{f"blk.0.ffn_{p}.weight": f"{layer}mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+    }
+    src = tmp_path / "qwen2.gguf"
+    write_gguf(src, "qwen2", {name: (hf[key], Q.F32) for name, key in names.items()}, head_dim=16)
+    out = tmp_path / "qwen2.base"
+    report = convert(src, out)
+    assert not any("skipping" in w for w in report.warnings), report.warnings
+    with BaseFile(out, verify_checksums=True) as base:
+        for p in "qkv":
+            bias = base.array(f"layers.0.self_attn.{p}_proj.bias")
+            assert np.array_equal(bias, hf[f"{layer}self_attn.{p}_proj.bias"]) and np.any(bias != 0), p
+    runner = ModelRunner(out, max_context=64)
+    try:
+        assert runner.model.layers[0].mixer.qkv_biases is not None
+    finally:
+        runner.close()
 
 
 def test_gguf_lossless_types_dequantize_bit_exact(tmp_path: Path):

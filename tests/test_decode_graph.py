@@ -56,11 +56,13 @@ def per_kernel_logits() -> dict[tuple[str, str], list[np.ndarray]]:
 
 def graph_cases() -> list:
     """(model, KV type, threads): the default run checks SmolLM2 at 2 threads (test_one_graph_follows_thread_count_
-    changes holds its graph to the same bits at 1, 2 and 3) and the tiny model at each, in f16 and q8_0 KV; `-m slow`
-    adds SmolLM2's graph started at 1 and 3 threads, and f32 and bf16 KV."""
+    changes holds its graph to the same bits at 1, 2 and 3) and the tiny models (Qwen3; Qwen2, whose projections
+    have biases) at each, in f16 and q8_0 KV (Qwen2: f16); `-m slow` adds SmolLM2's graph started at 1 and 3
+    threads, and f32 and bf16 KV."""
     cases = []
-    for name in ("smollm2", "qwen3-tiny"):
-        for kv in ("f16", "q8_0", "f32", "bf16"):
+    for name in ("smollm2", "qwen3-tiny", "qwen2-tiny"):
+        # q8_0 rows need a head dim of a multiple of 32: not the tiny Qwen2's 16.
+        for kv in ("f16", "f32", "bf16") if name == "qwen2-tiny" else ("f16", "q8_0", "f32", "bf16"):
             for threads in (1, 2, 3):
                 slow = kv in ("f32", "bf16") or (name == "smollm2" and threads != 2)
                 cases.append(pytest.param(name, kv, threads, marks=pytest.mark.slow if slow else (),

@@ -52,6 +52,7 @@ typedef struct {
     const float *input_norm, *post_norm;    /* [D] */
     const float *attn_out_norm, *mlp_out_norm; /* [D], or NULL: the block outputs are added as they are */
     const float *q_norm, *k_norm;           /* [head_dim], or NULL */
+    const float *bq, *bk, *bv;              /* the projections' biases [H*d], [kv*d], [kv*d], or NULL (Qwen2) */
     const float *cos, *sin;                 /* [max_pos, rope_half]: the layer's RoPE tables */
     ptrdiff_t window;                       /* sliding window in positions, 0: none */
     const basert_weight *wq, *wk, *wv, *wo; /* [H*d, D], [kv*d, D], [kv*d, D], [D, H*d] */
@@ -166,8 +167,13 @@ static inline ptrdiff_t bg_cache_offset(const bg_model *m, int type, const int32
            basert_kv_row_bytes(type, m->head_dim);
 }
 
-/* What follows the projection of one head row of token t: q and k get their norm and RoPE, k and v go
- * into the cache at the token's position. `part` 0, 1, 2 is q, k, v. */
+/* row[i] + bias[i] for i < d (no bias: nothing), the float additions the per-kernel path makes. */
+static inline void bg_add_bias(float *row, const float *bias, ptrdiff_t d) {
+    if (bias) for (ptrdiff_t i = 0; i < d; i++) row[i] = row[i] + bias[i];
+}
+
+/* What follows the projection of one head row of token t: the bias is added, q and k get their norm and RoPE,
+ * k and v go into the cache at the token's position. `part` 0, 1, 2 is q, k, v. */
 static void bg_finish_head(const bg_model *m, const bg_layer *l, int t, int part, int head) {
     const ptrdiff_t d = m->head_dim, p = m->positions[t];
     int item = 0;
@@ -175,6 +181,7 @@ static void bg_finish_head(const bg_model *m, const bg_layer *l, int t, int part
     const float *c = l->cos + p * m->rope_half, *s = l->sin + p * m->rope_half;
     if (part == 0) {
         float *q = m->q + (t * (ptrdiff_t)m->n_heads + head) * d;
+        bg_add_bias(q, l->bq ? l->bq + head * d : NULL, d);
         if (l->q_norm) basert_rmsnorm_row(q, l->q_norm, m->eps, q, d);
         basert_rope_row(q, c, s, m->rope_half, m->interleaved);
         return;
@@ -182,11 +189,14 @@ static void bg_finish_head(const bg_model *m, const bg_layer *l, int t, int part
     const int32_t *table = (l->window ? m->window_tables : m->tables) + (ptrdiff_t)item * m->table_stride;
     if (part == 1) {
         float *k = m->k + (t * (ptrdiff_t)m->n_kv + head) * d;
+        bg_add_bias(k, l->bk ? l->bk + head * d : NULL, d);
         if (l->k_norm) basert_rmsnorm_row(k, l->k_norm, m->eps, k, d);
         basert_rope_row(k, c, s, m->rope_half, m->interleaved);
         basert_kv_store(m->k_type, k, l->k_cache + bg_cache_offset(m, m->k_type, table, p, head), d);
     } else {
-        basert_kv_store(m->v_type, m->v + (t * (ptrdiff_t)m->n_kv + head) * d, l->v_cache + bg_cache_offset(m, m->v_type, table, p, head), d);
+        float *v = m->v + (t * (ptrdiff_t)m->n_kv + head) * d;
+        bg_add_bias(v, l->bv ? l->bv + head * d : NULL, d);
+        basert_kv_store(m->v_type, v, l->v_cache + bg_cache_offset(m, m->v_type, table, p, head), d);
     }
 }
 

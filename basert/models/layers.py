@@ -177,6 +177,10 @@ class Attention:
         self.v_proj = Linear(weights, f"{prefix}.v_proj.weight", kv_dim, hidden)
         self.o_proj = Linear(weights, f"{prefix}.o_proj.weight", hidden, q_dim)
         self.qkv_weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]   # one fused call
+        # Projection biases (Qwen2): all three or none, added to the projections before the norms and RoPE.
+        names = [f"{prefix}.{proj}_proj.bias" for proj in ("q", "k", "v")]
+        self.qkv_biases = ([weights.vector(name, size) for name, size in zip(names, (q_dim, kv_dim, kv_dim))]
+                           if any(weights.has(name) for name in names) else None)
         self.q_norm = weights.vector(f"{prefix}.q_norm.weight", self.head_dim) if qk_norm else None
         self.k_norm = weights.vector(f"{prefix}.k_norm.weight", self.head_dim) if qk_norm else None
         self.output_gate = output_gate
@@ -201,6 +205,9 @@ class Attention:
             np.copyto(gate.reshape(t, self.n_heads, hd), qg[:, :, hd:])
         else:
             mm.matmul_many(h, self.qkv_weights, [q.reshape(t, self.n_heads * hd), *projected])
+        if self.qkv_biases is not None:
+            for rows, bias in zip((q.reshape(t, self.n_heads * hd), *projected), self.qkv_biases):
+                np.add(rows, bias, out=rows)
         if self.q_norm is not None:
             ops.rmsnorm_heads(q, self.q_norm, self.eps)
             ops.rmsnorm_heads(k, self.k_norm, self.eps)

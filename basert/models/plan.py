@@ -46,6 +46,7 @@ def decode_graph(model: DecoderModel) -> DecodeGraph | None:
             "attn_out_norm": norms["attn_out_norm"].weight if output_norms else None,
             "mlp_out_norm": norms["mlp_out_norm"].weight if output_norms else None,
             "q_norm": attention.q_norm, "k_norm": attention.k_norm,
+            **dict(zip(("bq", "bk", "bv"), attention.qkv_biases or (None, None, None))),
             "wq": attention.q_proj.weight, "wk": attention.k_proj.weight, "wv": attention.v_proj.weight,
             "wo": attention.o_proj.weight, "wgate": mlp.gate_proj.weight, "wup": mlp.up_proj.weight,
             "wdown": mlp.down_proj.weight, "cos": attention.rope.cos, "sin": attention.rope.sin,
