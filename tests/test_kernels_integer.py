@@ -1,8 +1,8 @@
 """The integer path of quantized weights (matmul.h's contract: base_q4 / base_q8 and the GGUF blocks Q4_K, Q5_K,
-Q6_K, Q5_0, Q5_1): activations quantized to 16 bits per block of 32 and integer dot products, against a numpy
-reference that performs the same integer sums and float32 operations, so the kernels must match it bit for bit on
-every CPU variant; then batch, thread and fused-call invariance, the tolerance against the exact float32 path, and
-which weights take which path."""
+Q6_K, Q5_0, Q5_1): activations quantized to 8 bits (the default) or 16 bits (a weight's act_bits) per block of 32 and
+integer dot products, against a numpy reference that performs the same integer sums and float32 operations, so the
+kernels must match it bit for bit on every CPU variant; then batch, thread and fused-call invariance, the tolerance
+against the exact float32 path, and which weights take which path."""
 
 from __future__ import annotations
 
@@ -31,18 +31,20 @@ def kind_id(case: tuple[str, int, bool, str]) -> str:
     return f"{kind}-g{group}-{'sym' if symmetric else 'asym'}-{scale_dtype}"
 
 
-QMAX = np.float32(16383)
+# The largest activation code of each width (matmul.h).
+QMAX = {8: np.float32(127), 16: np.float32(16383)}
 # Where value j of a block of 32 sits in an activation record: the even-numbered values first, then the odd ones.
 RECORD_ORDER = np.concatenate([np.arange(0, 32, 2), np.arange(1, 32, 2)])
 
 
-def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_activations(x: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(codes int16 [M, K], scales float32 [M, K/32], block sums int32 [M, K/32]) as matmul.h defines them."""
     m, k = x.shape
+    qmax = QMAX[bits]
     blocks = x.reshape(m, k // 32, 32)
-    scale = np.abs(blocks).max(axis=2) / QMAX
+    scale = np.abs(blocks).max(axis=2) / qmax
     inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
-    codes = np.rint(np.clip(blocks * inv[:, :, None], -QMAX, QMAX)).astype(np.int16)
+    codes = np.rint(np.clip(blocks * inv[:, :, None], -qmax, qmax)).astype(np.int16)
     sums = codes.astype(np.int32).sum(axis=2)
     return codes.reshape(m, k), scale.astype(np.float32), sums
 
@@ -129,10 +131,10 @@ def q3_k_scale(packed: np.ndarray, index: int) -> np.ndarray:
     return (low | (high << 4)) - 32
 
 
-def integer_reference(x: np.ndarray, w: np.ndarray, a: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+def integer_reference(x: np.ndarray, w: np.ndarray, a: np.ndarray, b: np.ndarray | None, bits: int = 8) -> np.ndarray:
     """out[M, N] by the integer contract: exact block sums I, then (A * d) * I (+ (B * d) * S) summed in block order."""
     m, blocks = x.shape[0], w.shape[1]
-    q, d, sums = quantize_activations(x)
+    q, d, sums = quantize_activations(x, bits)
     q = q.reshape(m, blocks, 32).astype(np.int64)
     block_sums = sums.astype(np.float32)
     dots = np.einsum("nbj,mbj->mnb", w, q).astype(np.float32)
@@ -145,12 +147,13 @@ def integer_reference(x: np.ndarray, w: np.ndarray, a: np.ndarray, b: np.ndarray
     return out
 
 
-def make(case: tuple[str, int, bool, str], n: int, k: int, seed: int) -> tuple[mm.Weight, QuantizedTensor, np.ndarray]:
+def make(case: tuple[str, int, bool, str], n: int, k: int, seed: int,
+         bits: int = 8) -> tuple[mm.Weight, QuantizedTensor, np.ndarray]:
     kind, group, symmetric, scale_dtype = case
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.5)
     q = quantize(values, kind, group, symmetric=symmetric, scale_dtype=scale_dtype)
-    weight = mm.Weight(kind, n, k, q.packed, q.scales, q.biases, group, scale_dtype, exact=False)
+    weight = mm.Weight(kind, n, k, q.packed, q.scales, q.biases, group, scale_dtype, exact=False, act_bits=bits)
     return weight, q, values
 
 
@@ -181,30 +184,33 @@ def threads() -> Iterator[None]:
     mm.set_num_threads(before)
 
 
+@pytest.mark.parametrize("bits", (8, 16))
 @pytest.mark.parametrize("k", (32, 64, 576, 2080))
-def test_activation_quantization_matches_the_reference(k: int) -> None:
+def test_activation_quantization_matches_the_reference(k: int, bits: int) -> None:
     x = activations(5, k, seed=k)
+    qmax = QMAX[bits]
     # Halfway values (x * (1/d) = j + 0.5 exactly for d = 1) round to even, as rint does.
-    x[0, -32:] = QMAX * np.sign(np.arange(32) - 15.5).astype(np.float32)
-    x[1, -32:] = np.arange(32, dtype=np.float32) * np.float32(512) + np.float32(0.5)
-    x[1, -1] = QMAX
-    codes, scales, sums = mm.QuantizedRows(x).parts()
-    want = quantize_activations(x)
+    x[0, -32:] = qmax * np.sign(np.arange(32) - 15.5).astype(np.float32)
+    x[1, -32:] = np.arange(32, dtype=np.float32) * (qmax / np.float32(32)) + np.float32(0.5)
+    x[1, -1] = qmax
+    codes, scales, sums = mm.QuantizedRows(x, bits).parts()
+    want = quantize_activations(x, bits)
     assert np.array_equal(x[1, -32:] * (np.float32(1) / scales[1, -1]), x[1, -32:])  # d = 1 there
     assert np.array_equal(codes, in_record_order(want[0]))
     assert same_bits(scales, want[1])
     assert sums.dtype == np.float32 and np.array_equal(sums, want[2].astype(np.float32))  # exact integers
 
 
+@pytest.mark.parametrize("bits", (8, 16))
 @pytest.mark.parametrize("n", N_VALUES)
 @pytest.mark.parametrize("case", KINDS, ids=kind_id)
-def test_integer_path_matches_the_reference_bit_for_bit(case: tuple[str, int, bool, str], n: int) -> None:
+def test_integer_path_matches_the_reference_bit_for_bit(case: tuple[str, int, bool, str], n: int, bits: int) -> None:
     for k in K_VALUES[case[1]]:
-        weight, q, _ = make(case, n, k, seed=n * 7 + k)
-        assert weight.integer
+        weight, q, _ = make(case, n, k, seed=n * 7 + k, bits=bits)
+        assert weight.integer and weight.act_bits == bits
         x = activations(max(M_VALUES), k, seed=k)
         out = run(x, weight)
-        want = integer_reference(x, *base_ints(q))
+        want = integer_reference(x, *base_ints(q), bits=bits)
         for m in M_VALUES:
             # Every batch size: the rows of a smaller batch are the same bits as in the largest.
             assert same_bits(run(x[:m], weight), want[:m]), f"K={k} M={m}"
@@ -244,16 +250,17 @@ def test_gguf_blocks_read_as_integers_give_gguf_pys_values(kind: str) -> None:
     assert np.allclose(values, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("bits", (8, 16))
 @pytest.mark.parametrize("n", (1, 8, 21))
 @pytest.mark.parametrize("kind", GGUF_KINDS)
-def test_gguf_blocks_on_the_integer_path_match_the_reference_bit_for_bit(kind: str, n: int) -> None:
+def test_gguf_blocks_on_the_integer_path_match_the_reference_bit_for_bit(kind: str, n: int, bits: int) -> None:
     rng = np.random.default_rng(n)
     for k in ((256, 768) if kind.endswith("_K") else (32, 96, 800)):
         raw = random_blocks(rng, gguf.GGMLQuantizationType[kind], n, k)
-        weight = mm.Weight(kind, n, k, raw.reshape(-1), exact=False)
+        weight = mm.Weight(kind, n, k, raw.reshape(-1), exact=False, act_bits=bits)
         assert weight.integer
         x = activations(max(M_VALUES), k, seed=k)
-        want = integer_reference(x, *gguf_ints(kind, raw, k))
+        want = integer_reference(x, *gguf_ints(kind, raw, k), bits=bits)
         for m in M_VALUES:
             assert same_bits(run(x[:m], weight), want[:m]), f"K={k} M={m}"
 
@@ -267,9 +274,9 @@ def test_the_largest_block_sums_fit_in_32_bits() -> None:
     raw[..., 208:210] = np.frombuffer(np.float16(1).tobytes(), dtype=np.uint8)
     raw[1, :, 192:208] = np.uint8(0x7F)  # the second row: scale 127
     raw = raw.reshape(2, -1)
-    weight = mm.Weight("Q6_K", 2, k, raw.reshape(-1), exact=False)
+    weight = mm.Weight("Q6_K", 2, k, raw.reshape(-1), exact=False, act_bits=16)
     x = np.stack([np.ones(k, np.float32), -np.ones(k, np.float32)])
-    want = integer_reference(x, *gguf_ints("Q6_K", raw, k))
+    want = integer_reference(x, *gguf_ints("Q6_K", raw, k), bits=16)
     assert same_bits(run(x, weight), want)
     assert np.allclose(want, [[4096 * k, -127 * 32 * k], [-4096 * k, 127 * 32 * k]], rtol=1e-6)
 
@@ -288,16 +295,18 @@ def test_fused_call_mixes_integer_and_float_weights() -> None:
 
 
 @pytest.mark.parametrize("case", [c for c in KINDS if c[3] == "f16"], ids=kind_id)
-def test_integer_path_stays_close_to_the_exact_path(case: tuple[str, int, bool, str]) -> None:
-    weight, q, _ = make(case, 96, 1152 if case[1] == 128 else 576, seed=3)
+@pytest.mark.parametrize("bits", (8, 16))
+def test_integer_path_stays_close_to_the_exact_path(case: tuple[str, int, bool, str], bits: int) -> None:
+    weight, q, _ = make(case, 96, 1152 if case[1] == 128 else 576, seed=3, bits=bits)
     exact = mm.Weight(q.dtype, weight.n, weight.k, q.packed, q.scales, q.biases, q.group_size, q.scale_dtype,
                       exact=True)
     rng = np.random.default_rng(4)
     x = rng.standard_normal((8, weight.k), dtype=np.float32)
     fast, slow = run(x, weight), run(x, exact)
-    # 16-bit activations: an error of about 1/32766 of each block's largest value, across the row.
+    # An error of about half a code (1/254 of each block's largest value with 8 bits, 1/32766 with 16) on each
+    # product, across the row.
     error = np.abs(fast - slow).max() / np.abs(slow).max()
-    assert error < 0.02, error
+    assert error < {8: 0.05, 16: 0.001}[bits], error
 
 
 def test_which_weights_take_the_integer_path() -> None:
@@ -323,6 +332,38 @@ def test_which_weights_take_the_integer_path() -> None:
         mm.set_exact(before)
 
 
-def test_quantized_rows_need_whole_blocks() -> None:
+def test_quantized_rows_need_whole_blocks_and_8_or_16_bits() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         mm.QuantizedRows(np.zeros((2, 48), dtype=np.float32))
+    with pytest.raises(ValueError, match="8 or 16 bits, not 12"):
+        mm.QuantizedRows(np.zeros((2, 64), dtype=np.float32), 12)
+
+
+def test_weights_that_share_an_input_share_its_activation_bits() -> None:
+    """matmul_many quantizes its input once: integer weights of different act_bits cannot share it."""
+    case = ("base_q4", 32, False, "f16")
+    eight, sixteen = make(case, 16, 64, seed=1)[0], make(case, 16, 64, seed=2, bits=16)[0]
+    x = activations(2, 64, seed=5)
+    outs = [np.zeros((2, 16), dtype=np.float32) for _ in range(2)]
+    with pytest.raises(ValueError, match="share their input's activation bits"):
+        mm.matmul_many(x, [eight, sixteen], outs)
+    assert eight.act_bits == 8 and sixteen.act_bits == 16 and sixteen.rows(0, 8).act_bits == 16
+    with pytest.raises(ValueError, match="8 or 16 bits"):
+        eight.act_bits = 4
+
+
+def test_the_lm_head_alone_takes_16_bit_activations(smollm2_base) -> None:
+    """The models' choice (basert/models/transformer.py): 8-bit activations into every quantized weight, 16-bit into
+    the LM head, and the arithmetic named in the fingerprint that caches and saved slots carry."""
+    from basert.engine.runner import ModelRunner, model_fingerprint
+    from basert.models.transformer import HEAD_ACT_BITS, INTEGER_ARITHMETIC
+
+    runner = ModelRunner(smollm2_base, max_context=64)
+    try:
+        assert HEAD_ACT_BITS == 16 and runner.model.head.integer and runner.model.head.act_bits == 16
+        layer = runner.model.layers[0]
+        weights = [layer.mixer.q_proj.weight, layer.mixer.o_proj.weight, layer.feed_forward.down_proj.weight]
+        assert all(w.integer and w.act_bits == 8 for w in weights)
+        assert runner.fingerprint == f"{model_fingerprint(smollm2_base)}-{INTEGER_ARITHMETIC}"
+    finally:
+        runner.close()

@@ -1,6 +1,7 @@
 """KV types on the real model: SmolLM2 over q8_0 (and bf16) KV follows it over f16 KV, greedy on the reference
-prompts and teacher-forced over 2,048 positions of committed text (tools/check_agreement.py --cache-type measures
-the same with any window); and speculative decoding gives the same tokens as plain decoding in every KV type."""
+prompts and teacher-forced over 2,048 positions of committed text against the exact path (tools/check_agreement.py
+--cache-type compares the two KV types directly, with any window); and speculative decoding gives the same tokens
+as plain decoding in every KV type."""
 
 from __future__ import annotations
 
@@ -52,25 +53,33 @@ def window_argmax(runner: ModelRunner, window: list[int]) -> np.ndarray:
 @pytest.mark.slow
 @pytest.mark.parametrize("kv", ["q8_0", "bf16"])
 def test_smollm2_over_a_smaller_kv_type_follows_f16_kv(smollm2_base: Path, fixtures_dir: Path, kv: str):
-    """Greedy output on the six reference prompts (the five of refdata and 1,500 tokens of prose) identical to f16 KV
-    on at least five, and the same top-1 token at 99% of 2,048 teacher-forced positions (windows of 1,024)."""
+    """The KV type's own effect, on the exact path (where nothing else rounds): greedy output on the six reference
+    prompts (the five of refdata and 1,500 tokens of prose) identical to f16 KV on at least five. Then what a server
+    runs, the default path (8-bit activations, which turn any small change into a few different codes downstream):
+    teacher-forced over 2,048 positions, its top-1 agreement with the exact path (f32 KV) over the KV type is at
+    most one point below its agreement over f16 KV."""
     reference = json.loads((fixtures_dir / "smollm2" / "reference.json").read_text())
     ids = encode_texts(smollm2_base)
     prompts = [p["input_ids"] for p in reference["prompts"]] + [ids[:1500]]
-    f16 = ModelRunner(smollm2_base, max_context=2048, cache_type_k="f16", cache_type_v="f16")
-    other = ModelRunner(smollm2_base, max_context=2048, cache_type_k=kv, cache_type_v=kv)
+    runners = {(exact, cache): ModelRunner(smollm2_base, max_context=2048, cache_type_k=cache, cache_type_v=cache,
+                                           exact=exact)
+               for exact in (True, False) for cache in ("f16", kv)}
+    exact_f32 = ModelRunner(smollm2_base, max_context=2048, exact=True)
     try:
-        same = [greedy(f16, p, GREEDY_TOKENS) == greedy(other, p, GREEDY_TOKENS) for p in prompts]
+        same = [greedy(runners[True, "f16"], p, GREEDY_TOKENS) == greedy(runners[True, kv], p, GREEDY_TOKENS)
+                for p in prompts]
         assert sum(same) >= 5, same
-        agree = total = 0
+        agree = {"f16": 0, kv: 0}
         for start in (0, WINDOW):
             window = ids[start:start + WINDOW]
-            agree += int(np.sum(window_argmax(f16, window) == window_argmax(other, window)))
-            total += len(window)
-        assert total == 2 * WINDOW and agree / total >= 0.99, agree / total
+            truth = window_argmax(exact_f32, window)
+            for cache in agree:
+                agree[cache] += int(np.sum(window_argmax(runners[False, cache], window) == truth))
+        assert agree[kv] >= agree["f16"] - 0.01 * 2 * WINDOW, agree
     finally:
-        f16.close()
-        other.close()
+        exact_f32.close()
+        for runner in runners.values():
+            runner.close()
 
 
 @pytest.mark.parametrize("kv", ["q8_0", "bf16"])

@@ -14,7 +14,7 @@ from conftest import FIXTURES, SMOLLM2_API_FLAGS
 
 import basert
 from basert.engine.info import ModelInfo
-from basert.engine.runner import model_fingerprint
+from basert.engine.runner import engine_fingerprint
 from basert.server.catalog import ModelCatalog, ServedModel
 from basert.server.errors import ApiError
 from basert.server.llama_api import RANDOM_SEED
@@ -276,7 +276,7 @@ def test_continuing_a_message_and_opening_a_turn_is_400(server: ServerProcess):
 
 
 def test_system_fingerprint_in_llamas_build_tag_form(server: ServerProcess, smollm2_base: Path):
-    expected = f"b{basert.__version__}-{model_fingerprint(smollm2_base)}"
+    expected = f"b{basert.__version__}-{engine_fingerprint(smollm2_base, exact=False)}"
     chat = {"messages": HELLO, "max_tokens": 1}
     assert answer(post(server.url, "/v1/chat/completions", chat))["system_fingerprint"] == expected
     assert answer(post(server.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}))["system_fingerprint"] == \

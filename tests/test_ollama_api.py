@@ -165,7 +165,8 @@ def test_format_constrains_the_answer_to_json(smollm2: Served):
     openai = chat_completion(smollm2, request, 40, response_format={
         "type": "json_schema", "json_schema": {"name": "colors", "schema": COLORS}})
     assert shaped.message.content == openai["choices"][0]["message"]["content"]
-    anything = smollm2.client.chat(smollm2.model, request, format="json", options={**GREEDY, "num_predict": 60})
+    anything = smollm2.client.chat(smollm2.model, [user('Give the color of the sky as JSON, like {"color": "..."}.')],
+                                   format="json", options={**GREEDY, "num_predict": 200})
     assert anything.done_reason == "stop" and isinstance(json.loads(anything.message.content), dict)
 
 

@@ -106,6 +106,11 @@ static inline void bg_rows(const basert_weight *w, const float *x, ptrdiff_t ldx
     if (r0 < r1) basert_matmul_rows(w, x, ldx, qx, T, r0, r1, out, ldo);
 }
 
+/* The first of the weights (c may be NULL) that takes the integer path, or NULL. */
+static inline const basert_weight *bg_integer_of(const basert_weight *a, const basert_weight *b, const basert_weight *c) {
+    return a->integer ? a : b->integer ? b : c && c->integer ? c : NULL;
+}
+
 /* A phase's input rows, normalised first where the phase starts with a norm, and quantized into the member's buffer
  * when its weight takes the integer path: once per member and phase, for every chunk the member claims. */
 static void bg_prologue(void *ctx, int phase, int member) {
@@ -115,7 +120,7 @@ static void bg_prologue(void *ctx, int phase, int member) {
     if (phase == m->n_layers * BG_PHASES_PER_LAYER) {
         for (int i = 0; i < m->n_logits; i++)
             basert_rmsnorm_row(m->x + (ptrdiff_t)m->logit_rows[i] * m->dim, m->final_norm, m->eps, h + i * m->dim, m->dim);
-        if (m->head->integer) basert_quantize_rows(h, m->dim, m->n_logits, m->dim, qh);
+        if (m->head->integer) basert_quantize_rows(h, m->dim, m->n_logits, m->dim, m->head->act_max, qh);
         return;
     }
     const bg_layer *l = &m->layers[phase / BG_PHASES_PER_LAYER];
@@ -125,15 +130,16 @@ static void bg_prologue(void *ctx, int phase, int member) {
         const int qkv = phase % BG_PHASES_PER_LAYER == BG_QKV;
         for (int t = 0; t < m->T; t++)
             basert_rmsnorm_row(m->x + t * m->dim, qkv ? l->input_norm : l->post_norm, m->eps, h + t * m->dim, m->dim);
-        if (qkv ? l->wq->integer || l->wk->integer || l->wv->integer : l->wgate->integer || l->wup->integer)
-            basert_quantize_rows(h, m->dim, m->T, m->dim, qh);
+        /* The weights that share an input share its act_max (DecodeGraph checks it). */
+        const basert_weight *integer = qkv ? bg_integer_of(l->wq, l->wk, l->wv) : bg_integer_of(l->wgate, l->wup, NULL);
+        if (integer) basert_quantize_rows(h, m->dim, m->T, m->dim, integer->act_max, qh);
         break;
     }
     case BG_O:
-        if (l->wo->integer) basert_quantize_rows(m->attn, l->wo->k, m->T, l->wo->k, qh);
+        if (l->wo->integer) basert_quantize_rows(m->attn, l->wo->k, m->T, l->wo->k, l->wo->act_max, qh);
         break;
     case BG_DOWN:
-        if (l->wdown->integer) basert_quantize_rows(m->gate, m->ffn, m->T, m->ffn, qh);
+        if (l->wdown->integer) basert_quantize_rows(m->gate, m->ffn, m->T, m->ffn, l->wdown->act_max, qh);
         break;
     default:
         break;

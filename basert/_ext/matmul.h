@@ -39,8 +39,12 @@ typedef struct {
     const uint8_t *data;
     const uint16_t *scales;    /* k / group_size per row; NULL for dense */
     const uint16_t *biases;    /* NULL: symmetric codes (u - 2^(bits-1)) * scale */
-    int integer;               /* meets 16-bit activations in integer dot products (basert_qmatmul); else the float path */
+    int integer;               /* meets quantized activations in integer dot products (basert_qmatmul); else the float path */
+    int act_max;               /* with integer: the largest activation code, BASERT_ACT8 or BASERT_ACT16 */
 } basert_weight;
+
+/* The largest code of 8-bit and of 16-bit activations (matmul.h's records hold either). */
+enum { BASERT_ACT8 = 127, BASERT_ACT16 = 16383 };
 
 static inline int basert_omp_max_threads(void) {
 #ifdef _OPENMP
@@ -69,16 +73,17 @@ void basert_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst);
 void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1,
                    float *y, ptrdiff_t ldy);
 
-/* ---- 16-bit activations and integer dot products: the default path of quantized weights ----
+/* ---- quantized activations and integer dot products: the default path of quantized weights ----
  *
- * An activation row is quantized once per block of 32 values (basert_quantize_rows): d = amax / 16383 with amax the
- * largest |x| of the block, q = rint(clamp(x * (1 / d), -16383, 16383)) (nearest, ties to even; 1 / d taken as 0
- * when d = 0), and the sum S of the block's 32 codes kept beside them. Every weight block of 32 values is read as
- * A * w + B with integer w: base_q4 / base_q8 in groups of 32, 64 or 128: A the group's scale, w the code u
- * (u - 2^(bits-1) when symmetric), B its bias; Q4_K / Q5_K: A = d * scale and B = -(dmin * min) of the sub-block,
- * w = u; Q6_K: A = d, w = scale * (u - 32) with the scale of each 16 values; Q3_K: A = d, w = scale * (u - 4) with u
- * the three-bit code (the two low bits, the hmask bit as 4) and the signed six-bit scale of each 16 values; Q5_0:
- * A = d, w = u - 16; Q5_1: A = d, w = u, B = m. It meets an activation row block by block:
+ * An activation row is quantized once per block of 32 values (basert_quantize_rows) to codes of at most Q = 127
+ * (8-bit activations, as llama.cpp's) or Q = 16383 (16-bit ones), the act_max of the weights that read it:
+ * d = amax / Q with amax the largest |x| of the block, q = rint(clamp(x * (1 / d), -Q, Q)) (nearest, ties to even;
+ * 1 / d taken as 0 when d = 0), and the sum S of the block's 32 codes kept beside them. Every weight block of 32
+ * values is read as A * w + B with integer w: base_q4 / base_q8 in groups of 32, 64 or 128: A the group's scale, w
+ * the code u (u - 2^(bits-1) when symmetric), B its bias; Q4_K / Q5_K: A = d * scale and B = -(dmin * min) of the
+ * sub-block, w = u; Q6_K: A = d, w = scale * (u - 32) with the scale of each 16 values; Q3_K: A = d, w = scale * (u -
+ * 4) with u the three-bit code (the two low bits, the hmask bit as 4) and the signed six-bit scale of each 16 values;
+ * Q5_0: A = d, w = u - 16; Q5_1: A = d, w = u, B = m. It meets an activation row block by block:
  *
  *     I = sum over the block of w * q                  an exact integer, however it is computed
  *     t = (A * d) * float(I)                           without B
@@ -86,15 +91,15 @@ void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx, ptrdif
  *     out = ((t_0 + t_1) + t_2) + ...                  in block order
  *
  * each product and sum a float32 operation of its own (no FMA). 16383 is the largest code for which every block sum
- * fits in 32 bits (|w| <= 4096 for Q6_K: 32 * 4096 * 16383 < 2^31); 8-bit activations (127), as llama.cpp
- * quantizes them, measured a top-1 agreement of 95.6% with the exact path on SmolLM2 (tools/check_agreement.py),
- * 16-bit ones 100.00% (mean KL 3e-7). The integer sums are exact whichever instructions, lanes or order compute them, and the float
- * operations are the same everywhere, so an output is the same bits on every CPU variant, whatever the batch, the
- * rows computed with it or the thread count, and a numpy reference reproduces it exactly. Rows of quantized
- * activations are records of basert_qrow_bytes(k) bytes: k codes (int16; in each block of 32 the 16 even-numbered
- * values first, then the 16 odd-numbered ones, the order in which the kernels split a block's weights into 16-bit
- * lanes), k / 32 scales (float32), k / 32 sums (float32: integers of at most 32 * 16383 in magnitude, exact, so that
- * float(S) is read rather than converted), a multiple of 64 bytes. */
+ * fits in 32 bits (|w| <= 4096 for Q6_K: 32 * 4096 * 16383 < 2^31). Which weights take 16 bits is the model's
+ * choice (basert/models/layers.py: the LM head), measured against the exact path and llama.cpp with
+ * tools/check_agreement.py. The integer sums are exact whichever instructions, lanes or order compute them, and the
+ * float operations are the same everywhere, so an output is the same bits on every CPU variant, whatever the batch,
+ * the rows computed with it or the thread count, and a numpy reference reproduces it exactly. Rows of quantized
+ * activations are records of basert_qrow_bytes(k) bytes: k codes (int16 whatever Q; in each block of 32 the 16
+ * even-numbered values first, then the 16 odd-numbered ones, the order in which the kernels split a block's weights
+ * into 16-bit lanes), k / 32 scales (float32), k / 32 sums (float32: integers of at most 32 * 16383 in magnitude,
+ * exact, so that float(S) is read rather than converted), a multiple of 64 bytes. */
 
 static inline ptrdiff_t basert_qrow_bytes(ptrdiff_t k) { return (2 * k + k / 8 + k / 8 + 63) & ~(ptrdiff_t)63; }
 
@@ -108,8 +113,9 @@ static inline int basert_integer_capable(const basert_weight *w) {
     return (w->kind == BASERT_Q4 || w->kind == BASERT_Q8) && w->group_size % 32 == 0;
 }
 
-/* m rows x[i * ldx .. + k) (k a multiple of 32) quantized into records dst + i * basert_qrow_bytes(k). */
-void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k, uint8_t *dst);
+/* m rows x[i * ldx .. + k) (k a multiple of 32) quantized into records dst + i * basert_qrow_bytes(k), with codes of at
+ * most qmax in magnitude (BASERT_ACT8 or BASERT_ACT16: the act_max of the weights that read them). */
+void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k, int qmax, uint8_t *dst);
 
 /* Columns r0..r1 of y[m, ldy] = x @ W^T for a weight with `integer` set, x given as m quantized rows (records of
  * basert_qrow_bytes(w->k) bytes from qx). One row (decode), and every batch in the portable variant: weight rows

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Matmul of float32 activations with .base weights, and embedding row lookup. Quantized weights (base_q4, base_q8
-in groups of 32, 64 or 128, and the GGUF blocks Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) meet the activations quantized to 16
-bits in integer dot products (matmul.h states the contract); dense weights, and every weight of the exact path (BASERT_EXACT=1, `--exact`, or Weight(exact=True)),
+in groups of 32, 64 or 128, and the GGUF blocks Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) meet the activations quantized to 8
+(or, per weight, 16) bits in integer dot products (matmul.h states the contract); dense weights, and every weight of the exact path (BASERT_EXACT=1, `--exact`, or Weight(exact=True)),
 are de-quantized to float32 on the fly. GIL released, output rows split across OpenMP threads; every output value
 is bit-identical whatever the batch size, its row in the batch, the thread count or the CPU variant."""
 
@@ -35,6 +35,9 @@ cdef extern from "matmul.h" nogil:
         const uint16_t *scales
         const uint16_t *biases
         int integer
+        int act_max
+    enum: BASERT_ACT8
+    enum: BASERT_ACT16
     int basert_omp_max_threads()
     void basert_omp_set_threads(int n)
     void basert_dequant_row(const basert_weight *w, Py_ssize_t row, float *dst)
@@ -53,7 +56,7 @@ cdef extern from "matmul.h" nogil:
                             Py_ssize_t r0, Py_ssize_t r1, float *y, Py_ssize_t ldy)
     Py_ssize_t basert_qrow_bytes(Py_ssize_t k)
     int basert_integer_capable(const basert_weight *w)
-    void basert_quantize_rows(const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k, uint8_t *dst)
+    void basert_quantize_rows(const float *x, Py_ssize_t ldx, Py_ssize_t m, Py_ssize_t k, int qmax, uint8_t *dst)
     void basert_qmatmul(const basert_weight *w, const uint8_t *qx, Py_ssize_t m, Py_ssize_t r0, Py_ssize_t r1, float *y,
                         Py_ssize_t ldy)
 
@@ -106,16 +109,24 @@ def get_exact():
     return _exact
 
 
+# The activation bits a weight's input is quantized to, and the largest code of each (matmul.h).
+ACT_MAX = {8: BASERT_ACT8, 16: BASERT_ACT16}
+
+
 cdef class QuantizedRows:
-    """x [M, K] quantized to 16 bits per block of 32 (matmul.h's records), in a 64-byte aligned buffer of its own."""
+    """x [M, K] quantized per block of 32 (matmul.h's records) to codes of `bits` (8 or 16) bits, in a 64-byte
+    aligned buffer of its own."""
 
     cdef uint8_t *data
     cdef readonly Py_ssize_t m, k, row_bytes
 
-    def __cinit__(self, const float[:, ::1] x):
+    def __cinit__(self, const float[:, ::1] x, int bits=8):
         self.m, self.k = x.shape[0], x.shape[1]
         if self.k % 32:
             raise ValueError(f"K={self.k} is not a multiple of 32")
+        if bits not in ACT_MAX:
+            raise ValueError(f"activations take 8 or 16 bits, not {bits}")
+        cdef int qmax = ACT_MAX[bits]
         self.row_bytes = basert_qrow_bytes(self.k)
         self.data = <uint8_t *>aligned_alloc(64, max(1, self.m * self.row_bytes))
         if self.data == NULL:
@@ -125,7 +136,7 @@ cdef class QuantizedRows:
         if self.m:
             with nogil:
                 for i in prange(self.m, num_threads=nt, schedule="static"):
-                    basert_quantize_rows(&x[i, 0], k, 1, k, self.data + i * rb)
+                    basert_quantize_rows(&x[i, 0], k, 1, k, qmax, self.data + i * rb)
 
     def __dealloc__(self):
         free(self.data)
@@ -153,7 +164,7 @@ cdef class Weight:
     cdef basert_weight c
 
     def __init__(self, str kind, int n, int k, data, scales=None, biases=None, int group_size=0,
-                 str scale_dtype="f16", exact=None):
+                 str scale_dtype="f16", exact=None, int act_bits=8):
         if kind not in _KINDS and kind not in BLOCK_KINDS:
             raise ValueError(f"kind must be one of {tuple(_KINDS) + tuple(BLOCK_KINDS)}, got {kind!r}")
         if n < 0 or k < 1:
@@ -215,11 +226,23 @@ cdef class Weight:
             raise ValueError("f32 weight data must be 4-byte aligned")
         self.exact = _exact if exact is None else bool(exact)
         self.c.integer = not self.exact and basert_integer_capable(&self.c)
+        self.act_bits = act_bits
 
     @property
     def integer(self):
-        """Whether this weight meets 16-bit activations in integer dot products (else the exact float32 path)."""
+        """Whether this weight meets quantized activations in integer dot products (else the exact float32 path)."""
         return bool(self.c.integer)
+
+    @property
+    def act_bits(self):
+        """The bits its activations are quantized to on the integer path: 8 (the default) or 16."""
+        return 8 if self.c.act_max == BASERT_ACT8 else 16
+
+    @act_bits.setter
+    def act_bits(self, int bits):
+        if bits not in ACT_MAX:
+            raise ValueError(f"activations take 8 or 16 bits, not {bits}")
+        self.c.act_max = ACT_MAX[bits]
 
     def rows(self, int start, int stop):
         """A Weight for output rows [start, stop), viewing the same arrays (e.g. one expert of an [E*N, K] stack)."""
@@ -229,11 +252,11 @@ cdef class Weight:
         data = self.data[start * rb:stop * rb]
         if self.scales is None:
             return Weight(self.kind, stop - start, self.k, data, group_size=self.group_size if self.c.ggml_type else 0,
-                          exact=self.exact)
+                          exact=self.exact, act_bits=self.act_bits)
         g = self.k // self.group_size
         biases = None if self.biases is None else self.biases[start * g:stop * g]
         return Weight(self.kind, stop - start, self.k, data, self.scales[start * g:stop * g], biases,
-                      self.group_size, self.scale_dtype, exact=self.exact)
+                      self.group_size, self.scale_dtype, exact=self.exact, act_bits=self.act_bits)
 
     @property
     def c_address(self):
@@ -241,7 +264,7 @@ cdef class Weight:
         return <size_t>&self.c
 
     def __repr__(self):
-        path = "integer" if self.c.integer else "float32"
+        path = f"integer, {self.act_bits}-bit activations" if self.c.integer else "float32"
         return f"Weight({self.kind}, n={self.n}, k={self.k}, group_size={self.group_size}, {path})"
 
 
@@ -261,7 +284,7 @@ def matmul(const float[:, ::1] x, Weight w not None, float[:, ::1] out):
     cdef QuantizedRows qx
     cdef const uint8_t *qdata
     if w.c.integer:
-        qx = QuantizedRows(x)
+        qx = QuantizedRows(x, w.act_bits)
         qdata = qx.data
         # One contiguous run of rows per thread, a multiple of the kernel's 8 rows.
         per = ((n + nt - 1) // nt + 7) // 8 * 8
@@ -314,6 +337,7 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
     cdef Py_ssize_t r0, r1, lo, hi, fused = 0
     cdef int nt
     cdef bint any_integer = False
+    cdef int act_bits = 0
     cdef Weight w
     cdef float[:, ::1] o
     if len(outs) != count:
@@ -327,7 +351,11 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
             raise ValueError(f"x has {k} columns, weight {i} has K={w.c.k}")
         if o.shape[0] != m or o.shape[1] != w.c.n:
             raise ValueError(f"output {i} has shape ({o.shape[0]}, {o.shape[1]}), expected ({m}, {w.c.n})")
-        any_integer = any_integer or w.c.integer
+        if w.c.integer:
+            if any_integer and w.act_bits != act_bits:
+                raise ValueError("the integer weights of one matmul_many share their input's activation bits")
+            act_bits = w.act_bits
+            any_integer = True
     if m == 0:
         return
     cdef const basert_weight *cw[MAX_FUSED]
@@ -347,7 +375,7 @@ def matmul_many(const float[:, ::1] x, list weights, list outs):
     total = first[fused]
     if total == 0:
         return
-    cdef QuantizedRows qx = QuantizedRows(x) if any_integer else None
+    cdef QuantizedRows qx = QuantizedRows(x, act_bits) if any_integer else None
     cdef const uint8_t *qdata = qx.data if any_integer else NULL
     # One contiguous run of the concatenated rows per thread (a multiple of 8), cut at the weights' boundaries.
     nt = _threads_for_macs(m * total * k)

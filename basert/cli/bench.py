@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from basert._ext.kvtypes import KV_TYPES
+from basert.cli.flags import add_exact_flag
 
 if TYPE_CHECKING:
     from basert.engine.engine import Engine
@@ -225,9 +226,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-r", "--repetitions", type=int, default=5, help="measured runs per test (default 5)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="unmeasured runs first (default 1)")
     p.add_argument("-t", "--threads", type=int, help="engine threads (default: one per physical core)")
-    p.add_argument("--exact", action="store_true",
-                   help="quantized weights take the exact float32 path (slower): the reference that the default, "
-                   "16-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
+    add_exact_flag(p)
     p.add_argument("--variant", choices=("portable", "avx2", "avx512"),
                    help="the CPU variant of the kernels (default: the best this CPU runs; same as BASERT_CPU)")
     p.add_argument("--cache-type-k", "-ctk", default="f16", metavar="TYPE",

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from basert.cli.flags import add_exact_flag
 from basert.errors import BaseRTError
 
 if TYPE_CHECKING:
@@ -279,9 +280,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="context window in tokens (default 4096): the system prompt, the history and the "
                    "reply must fit; /clear when it is full")
     p.add_argument("--threads", "-t", type=int, metavar="N", help="engine threads (default: one per physical core)")
-    p.add_argument("--exact", action="store_true",
-                   help="quantized weights take the exact float32 path (slower): the reference that the default, "
-                   "16-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
+    add_exact_flag(p)
     p.add_argument("--chat-template", type=Path, metavar="FILE",
                    help="use this Jinja chat template instead of the model's own")
     p.set_defaults(func=cmd_chat)

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from basert.cli.flags import add_exact_flag
+
 
 def model_path_for(spec: str | None) -> Path:
     """Resolve a model spec (see `locate_model`); a conversion on first use shows a progress bar."""
@@ -74,7 +76,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="random seed for reproducible sampling")
     p.add_argument("--max-context", type=int, default=4096, help="context window (default 4096)")
     p.add_argument("--threads", "-t", type=int, help="engine threads (default: one per physical core)")
-    p.add_argument("--exact", action="store_true",
-                   help="quantized weights take the exact float32 path (slower): the reference that the default, "
-                   "16-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
+    add_exact_flag(p)
     p.set_defaults(func=cmd_complete)

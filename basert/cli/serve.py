@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from basert._ext.kvtypes import KV_TYPES
+from basert.cli.flags import add_exact_flag
 from basert.engine.drafts import DEFAULT_DRAFT_MAX, MAX_DRAFT_MAX
 from basert.server.logs import RepeatedWarningFilter
 
@@ -85,9 +86,7 @@ def add_context_arguments(p: argparse.ArgumentParser) -> None:
                    "layers) keep each slot's last window only, in a small pool of their own counted here too")
     p.add_argument("--max-tokens", type=int, default=2048, help="default max_tokens (default 2048)")
     p.add_argument("--threads", "-t", type=int, help="engine threads (default: one per physical core)")
-    p.add_argument("--exact", action="store_true",
-                   help="quantized weights take the exact float32 path (slower): the reference that the default, "
-                   "16-bit activations in integer dot products, is measured against; also BASERT_EXACT=1")
+    add_exact_flag(p)
     p.add_argument("--cache-type-k", "-ctk", default="f16", metavar="TYPE",
                    help=f"how K rows are stored in the KV cache: {KV_TYPE_NAMES} (default f16); q8_0 takes about "
                    "half the memory of f16, reads half the bytes at depth, and agrees with f16 on the top token")

@@ -33,15 +33,18 @@ class PromptModel:
     @classmethod
     def open(cls, path: Path, *, template_file: Path | None = None, alias: str | None = None) -> PromptModel:
         """Read a .base file's tokenizer and header (not its weights)."""
+        from basert._ext.matmul import get_exact
         from basert.engine.build import model_id_for, tokenizer_of
-        from basert.engine.runner import model_fingerprint
+        from basert.engine.runner import engine_fingerprint
         from basert.format.reader import BaseFile
 
         with BaseFile(path) as base:
             tokenizer = tokenizer_of(base.tokenizer)
         template = model_chat_template(tokenizer, template_file)
         names = {model_id_for(path), path.name, path.stem} | ({alias} if alias else set())
-        return cls(frozenset(names), tokenizer, template, model_fingerprint(path).encode())
+        # The replicas' engines key their prefix caches with their fingerprint: the same path, exact or not, as
+        # this process (`--exact` applies to every model a process loads).
+        return cls(frozenset(names), tokenizer, template, engine_fingerprint(path, get_exact()).encode())
 
 
 class PromptKeys:

@@ -33,6 +33,7 @@ from basert.errors import InvalidRequestError
 from basert.format import BaseFile
 from basert.models import build_model
 from basert.models.layers import Batch, BatchItem, Workspace
+from basert.models.transformer import INTEGER_ARITHMETIC
 
 LogitsWanted = Literal["last", "all", "none"]
 
@@ -77,6 +78,12 @@ def model_fingerprint(path: Path) -> str:
         return xxhash.xxh64(prefix + handle.read(header_len)).hexdigest()
 
 
+def engine_fingerprint(path: Path, exact: bool) -> str:
+    """What a model's logits depend on: its file (model_fingerprint) and the arithmetic of its path, exact or integer
+    (the activation widths). Prefix-cache keys, cache files and saved slots carry it."""
+    return model_fingerprint(path) + ("-exact" if exact else f"-{INTEGER_ARITHMETIC}")
+
+
 def default_threads() -> int:
     """One thread per physical core this process may run on (as llama.cpp counts): SMT siblings share a core's
     vector units and memory bandwidth, and a second thread on them only adds synchronisation."""
@@ -112,7 +119,7 @@ class ModelRunner:
     ):
         """Open and validate the model; raises ModelValidationError (one line) for a file that cannot serve:
         malformed, a header that contradicts its tensors, or (with verify_checksums) a corrupted payload.
-        exact: quantized weights take the exact float32 path instead of 16-bit activations and integer dot products
+        exact: quantized weights take the exact float32 path instead of quantized activations and integer dot products
         (None: the process default, BASERT_EXACT or `--exact`).
         kv_blocks: blocks of the KV pool (default: a full context per sequence); window_kv_blocks: blocks of the
         sliding-window layers' pool, for models that have such layers (default: enough for max_sequences
@@ -129,8 +136,7 @@ class ModelRunner:
             raise
         finally:
             mm.set_exact(default)
-        # The numeric path is part of what a cached prefix or a saved slot was computed with.
-        self.fingerprint = model_fingerprint(Path(path)) + ("-exact" if self.exact else "")
+        self.fingerprint = engine_fingerprint(Path(path), self.exact)
         self.arch = self.base.arch
         self.config = self.model.config   # typed (models/config.py)
         self.max_context = max_context

@@ -55,9 +55,9 @@ class Weights:
     def has(self, name: str) -> bool:
         return name in self.base.tensors
 
-    def matrix(self, name: str, rows: int, cols: int) -> mm.Weight:
-        """A weight matrix [rows, cols]."""
-        return self._kernel_weight(self._take(name, (rows, cols)), rows, cols)
+    def matrix(self, name: str, rows: int, cols: int, act_bits: int = 8) -> mm.Weight:
+        """A weight matrix [rows, cols]; on the integer path its input is quantized to `act_bits` bits (8 or 16)."""
+        return self._kernel_weight(self._take(name, (rows, cols)), rows, cols, act_bits)
 
     def experts(self, name: str, n_experts: int, rows: int, cols: int) -> list[mm.Weight]:
         """One [rows, cols] weight per expert of an [n_experts, rows, cols] stack, sharing the file's bytes."""
@@ -82,12 +82,13 @@ class Weights:
         self.used.add(name)
         return info
 
-    def _kernel_weight(self, info: TensorInfo, n: int, k: int) -> mm.Weight:
+    def _kernel_weight(self, info: TensorInfo, n: int, k: int, act_bits: int = 8) -> mm.Weight:
         if info.is_blocks:
-            return mm.Weight(info.block_type.name, n, k, self.base.payload(info.name))
+            return mm.Weight(info.block_type.name, n, k, self.base.payload(info.name), act_bits=act_bits)
         if info.is_quantized:
             return mm.Weight(info.dtype, n, k, self.base.packed(info.name), self.base.scales(info.name),
-                             self.base.biases(info.name), info.group_size, info.scale_dtype or "f16")
+                             self.base.biases(info.name), info.group_size, info.scale_dtype or "f16",
+                             act_bits=act_bits)
         return mm.Weight(info.dtype, n, k, self.base.payload(info.name))
 
 

@@ -41,6 +41,9 @@ def decode_graph(model: DecoderModel) -> DecodeGraph | None:
         wanted = norms if output_norms else {name: norms[name] for name in ("input_norm", "post_attn_norm")}
         if not all(isinstance(norm, RMSNorm) and norm.eps == first.eps for norm in wanted.values()):
             return None
+        for shared in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            if len({linear.weight.act_bits for linear in shared if linear.weight.integer}) > 1:
+                raise ValueError(f"layer {index}: weights that read one input quantize it to different bits")
         specs.append({
             "input_norm": norms["input_norm"].weight, "post_norm": norms["post_attn_norm"].weight,
             "attn_out_norm": norms["attn_out_norm"].weight if output_norms else None,

@@ -1,4 +1,4 @@
-/* 16-bit activations and the integer dot products of quantized weights (matmul.h states the contract): base_q4 /
+/* Quantized activations and the integer dot products of quantized weights (matmul.h states the contract): base_q4 /
  * base_q8, and the GGUF blocks Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1.
  *
  * SIMD variants, one activation row (decode): eight weight rows at a time; each row's 32 integers of a block are split
@@ -26,9 +26,6 @@ static inline const float *bq_sums(const uint8_t *rec, ptrdiff_t k) {
 /* Where value j of a block of 32 sits in its record: the even-numbered values first, then the odd-numbered ones. */
 static inline int bq_slot(int j) { return (j >> 1) + 16 * (j & 1); }
 
-/* The largest code (matmul.h). */
-#define BQ_QMAX 16383.0f
-
 /* One scale or bias of a weight's groups as a float (f16 or bf16 bits, exactly). */
 static inline float bq_scale_f32(uint16_t bits, int bf16) {
     if (bf16) {
@@ -43,8 +40,9 @@ static inline float bq_scale_f32(uint16_t bits, int bf16) {
 
 /* ---- quantizing activations ---- */
 
-void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k, uint8_t *dst) {
+void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k, int qmax, uint8_t *dst) {
     const ptrdiff_t rb = basert_qrow_bytes(k);
+    const float BQ_QMAX = (float)qmax;
     for (ptrdiff_t i = 0; i < m; i++) {
         const float *row = x + i * ldx;
         uint8_t *rec = dst + i * rb;
