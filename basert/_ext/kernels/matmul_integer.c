@@ -6,6 +6,8 @@
  * records), which meet the activation block in two madds (Q3_K's and Q6_K's scales multiplied in first); the eight
  * rows' partial sums are folded into one vector of eight exact block sums (lane r: weight row r), and the float
  * operations run on those eight rows at once; the AVX-512 variant takes two blocks per vector where it can (bz_*).
+ * With 8-bit activations, weights whose codes are below 32 meet them as bytes instead (bq_cols8: one maddubs per row
+ * and block).
  * Batches of two or more rows take the unpacking kernels further down (bg_*). The portable variant computes the same integers and float operations row by row. */
 #include <math.h>
 #include <string.h>
@@ -458,6 +460,71 @@ BASERT_ALWAYS_INLINE void bq_cols(const int C, const int kind, const int type, c
     }
 }
 
+/* ---- 8-bit activations against byte codes: one to four activation rows ----
+ *
+ * Weights whose codes u are below 32 (base_q4, Q4_K, Q5_K, Q5_0, Q5_1) meeting 8-bit activations: a block's 32 codes
+ * as bytes in natural order meet the activation block's 32 codes as signed bytes in one maddubs (pairs of products, at
+ * most 2 * 31 * 127 in magnitude, never saturating) and one madd with ones; the eight rows' lanes fold as in bq_cols.
+ * The same exact block sums as the 16-bit lanes, in about half the instructions. */
+#define BQ8_CAPABLE(kind, type) ((kind) == BASERT_Q4 || ((kind) == BASERT_BLOCKS && ((type) == BASERT_GGML_Q4_K || \
+    (type) == BASERT_GGML_Q5_K || (type) == BASERT_GGML_Q5_0 || (type) == BASERT_GGML_Q5_1)))
+
+/* An 8-bit activation block of a record (16-bit codes of at most 127 in magnitude, the even-numbered values first) as
+ * 32 signed bytes in natural order: packs puts each 128-bit lane's eight even then eight odd codes side by side, and
+ * the shuffle interleaves them. */
+BASERT_ALWAYS_INLINE __m256i bq_codes8(const int16_t *q) {
+    const __m256i packed = _mm256_packs_epi16(bq_load32((const uint8_t *)(const void *)q),
+                                              bq_load32((const uint8_t *)(const void *)(q + 16)));
+    return _mm256_shuffle_epi8(packed, _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                                        0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+}
+
+/* The codes u of a block of a BQ8_CAPABLE weight row as 32 bytes in natural order: base_q4 block b of the row; a
+ * 256-value type's sub-block j of its super-block at row + at; Q5_0 / Q5_1 block b. */
+BASERT_ALWAYS_INLINE __m256i bq_code_bytes(const int kind, const int type, const uint8_t *row, ptrdiff_t at, int j,
+                                           ptrdiff_t b) {
+    if (kind == BASERT_Q4) {
+        /* Byte i holds values 2i (low nibble) and 2i + 1 (high nibble): each to a byte of its 16-bit lane. */
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(row + 16 * b)));
+        return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(15)), _mm256_slli_epi16(_mm256_srli_epi16(v, 4), 8));
+    }
+    if (type == BASERT_GGML_Q4_K) return bq_bytes(row + at + 16 + 32 * (j >> 1), 4 * (j & 1), 15);
+    if (type == BASERT_GGML_Q5_K)
+        return _mm256_or_si256(bq_bytes(row + at + 48 + 32 * (j >> 1), 4 * (j & 1), 15),
+                               _mm256_slli_epi16(bq_bytes(row + at + 16, j, 1), 4));
+    const uint8_t *blk = row + b * basert_block_bytes(type);
+    const int with_min = type == BASERT_GGML_Q5_1;
+    return bq_q5_codes(blk + (with_min ? 4 : 2), blk + (with_min ? 8 : 6));
+}
+
+/* t[c]: weight rows p[0] and p[1] against the C activation blocks a[c] (bq_codes8), their lanes added pairwise. */
+BASERT_ALWAYS_INLINE void bq_dot8_pair(const int C, const int kind, const int type, const uint8_t *const *p, ptrdiff_t at,
+                                       int j, ptrdiff_t b, const __m256i *a, __m256i *t) {
+    const __m256i w0 = bq_code_bytes(kind, type, p[0], at, j, b), w1 = bq_code_bytes(kind, type, p[1], at, j, b);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < C; c++)
+        t[c] = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w0, a[c]), ones),
+                                 _mm256_madd_epi16(_mm256_maddubs_epi16(w1, a[c]), ones));
+}
+
+/* bq_cols for a BQ8_CAPABLE weight and 8-bit activations. */
+BASERT_ALWAYS_INLINE void bq_cols8(const int C, const int kind, const int type, const int has_bias, const int offset,
+                                   const uint8_t *const *p, ptrdiff_t at, int j, ptrdiff_t b, const int16_t *const *q,
+                                   const float *const *d, const float *const *s, __m256 sv, __m256 bv, __m256 *acc) {
+    __m256i a[BQ_COLS], t0[BQ_COLS], t1[BQ_COLS], quad[BQ_COLS][2];
+    for (int c = 0; c < C; c++) a[c] = bq_codes8(q[c] + 32 * b);
+    for (int h = 0; h < 2; h++) {
+        bq_dot8_pair(C, kind, type, p + 4 * h, at, j, b, a, t0);
+        bq_dot8_pair(C, kind, type, p + 4 * h + 2, at, j, b, a, t1);
+        for (int c = 0; c < C; c++) quad[c][h] = _mm256_hadd_epi32(t0[c], t1[c]);
+    }
+    for (int c = 0; c < C; c++) {
+        const __m256i lo = quad[c][0], hi = quad[c][1];
+        const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+        acc[c] = bq_fold_sums(has_bias, offset, total, sv, bv, d[c][b], s[c][b], acc[c]);
+    }
+}
+
 /* The fields of C activation records qx + c * rb of k values, and their running sums zeroed. */
 BASERT_ALWAYS_INLINE void bq_records(const int C, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t k, const int16_t **q,
                                      const float **d, const float **s, __m256 *acc) {
@@ -483,9 +550,11 @@ BASERT_ALWAYS_INLINE void bq_store(const int C, int R, const __m256 *acc, float 
 }
 
 /* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C activation records qx + c * rb (c < C <=
- * BQ_COLS). kind, type (GGUF blocks) and sym are constants of each instance. */
-BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, const int sym, const basert_weight *w,
-                                   ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
+ * BQ_COLS). kind, type (GGUF blocks) and sym are constants of each instance; `eight`: the records hold 8-bit codes and
+ * the weight is BQ8_CAPABLE (bq_cols8), else the 16-bit lanes (bq_cols). */
+BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, const int sym, const int eight,
+                                   const basert_weight *w, ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y,
+                                   ptrdiff_t ldy) {
     const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym), offset = bq_offset(kind, type, sym);
     const ptrdiff_t k = w->k, blocks = k / 32, per_group = gguf ? 1 : w->group_size / 32, groups = blocks / per_group;
     const ptrdiff_t block_bytes = gguf ? basert_block_bytes(type) / (basert_block_values(type) / 32) : kind == BASERT_Q4 ? 16 : 32;
@@ -512,7 +581,8 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
                 if ((j & 1) == 0 || j == 7)
                     if (line < bytes)
                         for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + at + line);
-                bq_cols(C, kind, type, has_bias, offset, p, at, j, g0 + j, q, d, s, scale[j], bias[j], acc);
+                if (eight) bq_cols8(C, kind, type, has_bias, offset, p, at, j, g0 + j, q, d, s, scale[j], bias[j], acc);
+                else bq_cols(C, kind, type, has_bias, offset, p, at, j, g0 + j, q, d, s, scale[j], bias[j], acc);
             }
             continue;
         }
@@ -522,7 +592,8 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
                 /* The same codes of the next eight rows, about a cache line at a time. */
                 if ((b & (prefetch_every - 1)) == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
-                bq_cols(C, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[j], bias[j], acc);
+                if (eight) bq_cols8(C, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[j], bias[j], acc);
+                else bq_cols(C, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[j], bias[j], acc);
             }
         }
     }
@@ -924,8 +995,10 @@ BASERT_ALWAYS_INLINE void bg_rows(const int vnni, const int kind, const int type
 }
 #else
 /* Portable: one weight row against C activation rows, the same integers and float operations. */
-static inline void bq_block(const int C, const int kind, const int type, const int sym, const basert_weight *w,
-                            ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y, ptrdiff_t ldy) {
+static inline void bq_block(const int C, const int kind, const int type, const int sym, const int eight,
+                            const basert_weight *w, ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y,
+                            ptrdiff_t ldy) {
+    (void)eight;
     const int gguf = kind == BASERT_BLOCKS, has_bias = bq_has_bias(kind, type, sym);
     const ptrdiff_t k = w->k, groups = gguf ? 0 : k / w->group_size, per_group = gguf ? 1 : w->group_size / 32;
     for (int r = 0; r < R; r++) {
@@ -973,7 +1046,13 @@ BASERT_ALWAYS_INLINE void bq_run(const int C, const int kind, const int type, co
         return;
     }
 #endif
-    bq_block(C, kind, type, sym, w, row, R, qx, rb, y, ldy);
+#if defined(BASERT_SIMD)
+    if (BQ8_CAPABLE(kind, type) && w->act_max == BASERT_ACT8) {
+        bq_block(C, kind, type, sym, 1, w, row, R, qx, rb, y, ldy);
+        return;
+    }
+#endif
+    bq_block(C, kind, type, sym, 0, w, row, R, qx, rb, y, ldy);
 }
 
 /* Weight rows r0..r1 against activation rows c0..c1, BQ_ROWS weight rows against BQ_COLS activation rows at a time: each
