@@ -6,8 +6,8 @@
  * records), which meet the activation block in two madds (Q3_K's and Q6_K's scales multiplied in first); the eight
  * rows' partial sums are folded into one vector of eight exact block sums (lane r: weight row r), and the float
  * operations run on those eight rows at once; the AVX-512 variant takes two blocks per vector where it can (bz_*).
- * With 8-bit activations, weights whose codes are below 32 meet them as bytes instead (bq_cols8: one maddubs per row
- * and block).
+ * With 8-bit activations, weights whose codes are below 32 meet them as bytes instead (bq_dot8_pair: one maddubs per
+ * row and block).
  * Batches of two or more rows take the unpacking kernels further down (bg_*). The portable variant computes the same integers and float operations row by row. */
 #include <math.h>
 #include <string.h>
@@ -435,31 +435,6 @@ BASERT_ALWAYS_INLINE void bq_madd_pair(const int C, const int kind, const int ty
                                  _mm256_add_epi32(_mm256_madd_epi16(e1, ae[c]), _mm256_madd_epi16(o1, ao[c])));
 }
 
-/* acc[c] + t for block b of eight weight rows p[r] against the activation codes q[c] of C records (c < C): the rows'
- * scales and biases sv, bv. A 256-value type's integers come from its super-block at p[r] + at, sub-block j (constants
- * where the caller writes the super-block out); the others' from p[r], block b. Each pair of weight rows meets the C
- * records as soon as it is unpacked, and the rows' lanes are added pairwise as they come (hadd; in the end lane r holds
- * row r's block sum), so that few vectors are live at once. */
-BASERT_ALWAYS_INLINE void bq_cols(const int C, const int kind, const int type, const int has_bias, const int offset,
-                                  const uint8_t *const *p, ptrdiff_t at, int j, ptrdiff_t b, const int16_t *const *q,
-                                  const float *const *d, const float *const *s, __m256 sv, __m256 bv, __m256 *acc) {
-    __m256i ae[BQ_COLS], ao[BQ_COLS], t0[BQ_COLS], t1[BQ_COLS], quad[BQ_COLS][2];
-    for (int c = 0; c < C; c++) {
-        ae[c] = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b));
-        ao[c] = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b + 16));
-    }
-    for (int h = 0; h < 2; h++) {
-        bq_madd_pair(C, kind, type, p + 4 * h, at, j, b, ae, ao, t0);
-        bq_madd_pair(C, kind, type, p + 4 * h + 2, at, j, b, ae, ao, t1);
-        for (int c = 0; c < C; c++) quad[c][h] = _mm256_hadd_epi32(t0[c], t1[c]);
-    }
-    for (int c = 0; c < C; c++) {
-        const __m256i lo = quad[c][0], hi = quad[c][1];
-        const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
-        acc[c] = bq_fold_sums(has_bias, offset, total, sv, bv, d[c][b], s[c][b], acc[c]);
-    }
-}
-
 /* ---- 8-bit activations against byte codes: one to four activation rows ----
  *
  * Weights whose codes u are below 32 (base_q4, Q4_K, Q5_K, Q5_0, Q5_1) meeting 8-bit activations: a block's 32 codes
@@ -507,15 +482,32 @@ BASERT_ALWAYS_INLINE void bq_dot8_pair(const int C, const int kind, const int ty
                                  _mm256_madd_epi16(_mm256_maddubs_epi16(w1, a[c]), ones));
 }
 
-/* bq_cols for a BQ8_CAPABLE weight and 8-bit activations. */
-BASERT_ALWAYS_INLINE void bq_cols8(const int C, const int kind, const int type, const int has_bias, const int offset,
-                                   const uint8_t *const *p, ptrdiff_t at, int j, ptrdiff_t b, const int16_t *const *q,
-                                   const float *const *d, const float *const *s, __m256 sv, __m256 bv, __m256 *acc) {
-    __m256i a[BQ_COLS], t0[BQ_COLS], t1[BQ_COLS], quad[BQ_COLS][2];
-    for (int c = 0; c < C; c++) a[c] = bq_codes8(q[c] + 32 * b);
+/* acc[c] + t for block b of eight weight rows p[r] against the activation codes q[c] of C records (c < C): the rows'
+ * scales and biases sv, bv. A 256-value type's integers come from its super-block at p[r] + at, sub-block j (constants
+ * where the caller writes the super-block out); the others' from p[r], block b. Each pair of weight rows meets the C
+ * records as soon as it is unpacked, and the rows' lanes are added pairwise as they come (hadd; in the end lane r holds
+ * row r's block sum), so that few vectors are live at once. `eight`: 8-bit records against a BQ8_CAPABLE weight, whose
+ * codes meet them as bytes (bq_dot8_pair), else 16-bit lanes (bq_madd_pair). */
+BASERT_ALWAYS_INLINE void bq_cols(const int C, const int eight, const int kind, const int type, const int has_bias, const int offset,
+                                  const uint8_t *const *p, ptrdiff_t at, int j, ptrdiff_t b, const int16_t *const *q,
+                                  const float *const *d, const float *const *s, __m256 sv, __m256 bv, __m256 *acc) {
+    __m256i ae[BQ_COLS], ao[BQ_COLS], t0[BQ_COLS], t1[BQ_COLS], quad[BQ_COLS][2];
+    for (int c = 0; c < C; c++) {
+        if (eight) {
+            ae[c] = bq_codes8(q[c] + 32 * b);
+        } else {
+            ae[c] = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b));
+            ao[c] = bq_load32((const uint8_t *)(const void *)(q[c] + 32 * b + 16));
+        }
+    }
     for (int h = 0; h < 2; h++) {
-        bq_dot8_pair(C, kind, type, p + 4 * h, at, j, b, a, t0);
-        bq_dot8_pair(C, kind, type, p + 4 * h + 2, at, j, b, a, t1);
+        if (eight) {
+            bq_dot8_pair(C, kind, type, p + 4 * h, at, j, b, ae, t0);
+            bq_dot8_pair(C, kind, type, p + 4 * h + 2, at, j, b, ae, t1);
+        } else {
+            bq_madd_pair(C, kind, type, p + 4 * h, at, j, b, ae, ao, t0);
+            bq_madd_pair(C, kind, type, p + 4 * h + 2, at, j, b, ae, ao, t1);
+        }
         for (int c = 0; c < C; c++) quad[c][h] = _mm256_hadd_epi32(t0[c], t1[c]);
     }
     for (int c = 0; c < C; c++) {
@@ -550,8 +542,7 @@ BASERT_ALWAYS_INLINE void bq_store(const int C, int R, const __m256 *acc, float 
 }
 
 /* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C activation records qx + c * rb (c < C <=
- * BQ_COLS). kind, type (GGUF blocks) and sym are constants of each instance; `eight`: the records hold 8-bit codes and
- * the weight is BQ8_CAPABLE (bq_cols8), else the 16-bit lanes (bq_cols). */
+ * BQ_COLS). kind, type (GGUF blocks) and sym are constants of each instance; `eight`: as bq_cols's. */
 BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, const int sym, const int eight,
                                    const basert_weight *w, ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb, float *y,
                                    ptrdiff_t ldy) {
@@ -581,8 +572,7 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
                 if ((j & 1) == 0 || j == 7)
                     if (line < bytes)
                         for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + at + line);
-                if (eight) bq_cols8(C, kind, type, has_bias, offset, p, at, j, g0 + j, q, d, s, scale[j], bias[j], acc);
-                else bq_cols(C, kind, type, has_bias, offset, p, at, j, g0 + j, q, d, s, scale[j], bias[j], acc);
+                bq_cols(C, eight, kind, type, has_bias, offset, p, at, j, g0 + j, q, d, s, scale[j], bias[j], acc);
             }
             continue;
         }
@@ -592,8 +582,7 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
                 /* The same codes of the next eight rows, about a cache line at a time. */
                 if ((b & (prefetch_every - 1)) == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
-                if (eight) bq_cols8(C, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[j], bias[j], acc);
-                else bq_cols(C, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[j], bias[j], acc);
+                bq_cols(C, eight, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[j], bias[j], acc);
             }
         }
     }
@@ -791,7 +780,7 @@ BASERT_ALWAYS_INLINE void bz_block(const int C, const int kind, const int type, 
                 const ptrdiff_t j0 = b / per_group - g0, j1 = (b + 1) / per_group - g0;
                 bz_pair(C, kind, type, has_bias, offset, p, q, d, s, b, scale[j0], bias[j0], scale[j1], bias[j1], acc);
             }
-            if (b < end) bq_cols(C, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[gn - 1], bias[gn - 1], acc);
+            if (b < end) bq_cols(C, 0, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[gn - 1], bias[gn - 1], acc);
         }
     }
     bq_store(C, R, acc, y + row, ldy);
