@@ -10,6 +10,7 @@
  * row and block).
  * Batches of two or more rows take the unpacking kernels further down (bg_*). The portable variant computes the same integers and float operations row by row. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "matmul.h"
@@ -444,14 +445,18 @@ BASERT_ALWAYS_INLINE void bq_madd_pair(const int C, const int kind, const int ty
 #define BQ8_CAPABLE(kind, type) ((kind) == BASERT_Q4 || ((kind) == BASERT_BLOCKS && ((type) == BASERT_GGML_Q4_K || \
     (type) == BASERT_GGML_Q5_K || (type) == BASERT_GGML_Q5_0 || (type) == BASERT_GGML_Q5_1)))
 
-/* An 8-bit activation block of a record (16-bit codes of at most 127 in magnitude, the even-numbered values first) as
- * 32 signed bytes in natural order: packs puts each 128-bit lane's eight even then eight odd codes side by side, and
- * the shuffle interleaves them. */
+/* A block's 16 even-numbered and 16 odd-numbered codes (16-bit lanes of at most 127 in magnitude) as 32 signed bytes in
+ * natural order: packs puts each 128-bit lane's eight even then eight odd codes side by side, and the shuffle
+ * interleaves them. */
+BASERT_ALWAYS_INLINE __m256i bq_pack8(__m256i even, __m256i odd) {
+    return _mm256_shuffle_epi8(_mm256_packs_epi16(even, odd),
+                               _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                                0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+}
+
+/* An 8-bit activation block of a record as 32 signed bytes in natural order. */
 BASERT_ALWAYS_INLINE __m256i bq_codes8(const int16_t *q) {
-    const __m256i packed = _mm256_packs_epi16(bq_load32((const uint8_t *)(const void *)q),
-                                              bq_load32((const uint8_t *)(const void *)(q + 16)));
-    return _mm256_shuffle_epi8(packed, _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                                        0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+    return bq_pack8(bq_load32((const uint8_t *)(const void *)q), bq_load32((const uint8_t *)(const void *)(q + 16)));
 }
 
 /* The codes u of a block of a BQ8_CAPABLE weight row as 32 bytes in natural order: base_q4 block b of the row; a
@@ -588,6 +593,303 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
     }
     bq_store(C, R, acc, y + row, ldy);
 }
+
+/* ---- Q4_K / Q5_K / Q6_K against one to four activation rows: eight weight rows side by side ----
+ *
+ * The 16 code bytes at one offset of eight weight rows are transposed by four-byte units (bt_units): lane r of unit
+ * vector u holds bytes 4u .. 4u + 4 of row r. One maddubs against four activation codes broadcast to every lane then
+ * adds row r's products in lane r, so the eight rows' exact block sums come out lane by lane, with no horizontal fold
+ * (bq_block folds eight vectors into one per block), and take bq_fold_sums' float operations: the same bits as
+ * bq_block's. Q6_K's signed scales are multiplied in by madd (a row's pair of 16-bit sums in its lane, the scale in
+ * both halves) and its offset of 32 taken off through the activation's sums of 16 codes. The activation rows are
+ * first turned into bytes in natural order, with those sums (bt_activations): 8-bit codes as they are (one plane),
+ * 16-bit ones q as two planes of bytes, lo = q & 127 and hi = q >> 7, which meet the weights as 8-bit codes do; then
+ * I = 128 * I_hi + I_lo in wrapping 32-bit arithmetic, exact wherever the contract has I fit in 32 bits. Every sum of
+ * products kept in 16 bits is bounded below 32768 for codes of magnitude 128 at most (the comments say how). */
+#if defined(BASERT_SIMD)
+#define BT_CAPABLE(kind, type) ((kind) == BASERT_BLOCKS && ((type) == BASERT_GGML_Q4_K || (type) == BASERT_GGML_Q5_K || \
+    (type) == BASERT_GGML_Q6_K))
+/* Rows of activation bytes at most: two planes of BQ_COLS activation rows. */
+#define BT_ROWS (2 * BQ_COLS)
+
+/* Bytes off .. off + 16 of eight rows p[r] as four vectors: lane r of out[u] holds bytes 4u .. 4u + 4 of row r. */
+BASERT_ALWAYS_INLINE void bt_units(const uint8_t *const *p, ptrdiff_t off, __m256i *out) {
+    __m256i v[4];
+    #pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+        v[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(p[r] + off))),
+                                       _mm_loadu_si128((const __m128i *)(const void *)(p[r + 4] + off)), 1);
+    /* v[r]: units 0-3 of row r in the low half, of row r + 4 in the high half. */
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    out[0] = _mm256_unpacklo_epi64(t0, t2);
+    out[1] = _mm256_unpackhi_epi64(t0, t2);
+    out[2] = _mm256_unpacklo_epi64(t1, t3);
+    out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* Four activation codes (bytes) in every 32-bit lane. */
+BASERT_ALWAYS_INLINE __m256i bt_broadcast(const int8_t *a) {
+    return _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)a));
+}
+
+/* Bytes of v shifted right (shift > 0) or left (shift < 0) by |shift| bits within their 16-bit lane and masked: no
+ * bit of the neighbouring byte survives the masks used here. */
+BASERT_ALWAYS_INLINE __m256i bt_bits(__m256i v, int shift, int mask) {
+    const __m256i s = shift >= 0 ? _mm256_srli_epi16(v, shift) : _mm256_slli_epi16(v, -shift);
+    return _mm256_and_si256(s, _mm256_set1_epi8((char)mask));
+}
+
+/* The sums of the first and of the second 16 of 32 signed bytes, as the low and high 16-bit halves (each at most
+ * 16 * 128 in magnitude). */
+BASERT_ALWAYS_INLINE int32_t bt_sums16(__m256i v) {
+    /* Lanes 0-3: sums of four of the first 16 bytes; 4-7: of the second 16. */
+    const __m256i quads = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+    const __m256i pairs = _mm256_hadd_epi32(quads, quads), whole = _mm256_hadd_epi32(pairs, pairs);
+    const int32_t lo = _mm256_extract_epi32(whole, 0), hi = _mm256_extract_epi32(whole, 4);
+    return (int32_t)(((uint32_t)hi << 16) | ((uint32_t)lo & 0xffffu));
+}
+
+/* The C activation records qx + c * rb of k values as P planes of bytes in natural order, plane row i = pl * C + c
+ * at a8 + i * k: the 8-bit codes (P = 1), or the 16-bit codes' lo then hi bytes (P = 2); with `sums` (Q6_K), each
+ * plane row's sums of 16 codes, s16[i * k / 32 + b] for block b (bt_sums16). */
+BASERT_ALWAYS_INLINE void bt_activations(const int C, const int P, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t k,
+                                         const int sums, int8_t *a8, int32_t *s16) {
+    const __m256i low7 = _mm256_set1_epi16(127);
+    for (int c = 0; c < C; c++) {
+        const int16_t *q = bq_codes(qx + c * rb);
+        for (ptrdiff_t b = 0; b < k / 32; b++) {
+            const __m256i even = bq_load32((const uint8_t *)(const void *)(q + 32 * b));
+            const __m256i odd = bq_load32((const uint8_t *)(const void *)(q + 32 * b + 16));
+            for (int pl = 0; pl < P; pl++) {
+                const __m256i v = P == 1    ? bq_pack8(even, odd)
+                                  : pl == 0 ? bq_pack8(_mm256_and_si256(even, low7), _mm256_and_si256(odd, low7))
+                                            : bq_pack8(_mm256_srai_epi16(even, 7), _mm256_srai_epi16(odd, 7));
+                const ptrdiff_t i = pl * C + c;
+                _mm256_storeu_si256((__m256i *)(void *)(a8 + i * k + 32 * b), v);
+                if (sums) s16[i * (k / 32) + b] = bt_sums16(v);
+            }
+        }
+    }
+}
+
+/* The exact block sum of activation row c from its planes' sums t[c] (and t[C + c]): 128 * I_hi + I_lo. */
+BASERT_ALWAYS_INLINE __m256i bt_join(const int C, const int P, const __m256i *t, int c) {
+    return P == 1 ? t[c] : _mm256_add_epi32(_mm256_slli_epi32(t[C + c], 7), t[c]);
+}
+
+/* Q4_K / Q5_K: the super-block headers of eight rows at offset `at` (d, dmin and the 12 bytes of six-bit scales and
+ * minimums, bq_k_scales_mins' unpacking done lane by lane): d and -dmin as floats, and in lane r of sc[0] / sc[1] the
+ * scales of sub-blocks 0-3 / 4-7 of row r as bytes, of mn[] its minimums. */
+BASERT_ALWAYS_INLINE void bt_k_headers(const uint8_t *const *p, ptrdiff_t at, __m256 *d, __m256 *neg_dmin, __m256i *sc,
+                                       __m256i *mn) {
+    __m256i u[4];
+    bt_units(p, at, u);
+    const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f), two = _mm256_set1_epi32(0x03030303);
+    sc[0] = _mm256_and_si256(u[1], low6);
+    sc[1] = _mm256_or_si256(_mm256_and_si256(u[3], low4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u[1], 6), two), 4));
+    mn[0] = _mm256_and_si256(u[2], low6);
+    mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u[3], 4), low4),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u[2], 6), two), 4));
+    /* Lane r of u[0]: row r's d (low 16 bits) and dmin (high): packed to d0-3 dmin0-3 | d4-7 dmin4-7, then in order. */
+    const __m256i halves = _mm256_packus_epi32(_mm256_and_si256(u[0], _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(u[0], 16));
+    const __m256i ordered = _mm256_permute4x64_epi64(halves, 0xD8);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(ordered));
+    /* (-dmin) * min is -(dmin * min) exactly: rounding is symmetric. */
+    *neg_dmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(ordered, 1)), _mm256_set1_ps(-0.0f));
+}
+
+/* Byte j % 4 of each 32-bit lane of v as a float. */
+BASERT_ALWAYS_INLINE __m256 bt_byte_f32(__m256i v, int j) {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * (j & 3)), _mm256_set1_epi32(255)));
+}
+
+/* acc[c] + t for the four sub-block pairs of Q4_K / Q5_K super-block sb of eight rows p[r] (at: its offset in a row)
+ * against C activation rows of P planes (a8, bt_activations), A = d * scale and B = -(dmin * min) of each sub-block
+ * as bq_gguf_run gives them. A sub-block's 16-bit sums take eight units (Q4_K: at most 8 * 2 * 15 * 128) or four
+ * (Q5_K: 4 * 2 * 31 * 128) before madd widens them. */
+BASERT_ALWAYS_INLINE void bt_q4_k(const int C, const int P, const int type, const uint8_t *const *p, ptrdiff_t at,
+                                  ptrdiff_t sb, const int8_t *a8, ptrdiff_t k, const float *const *d, const float *const *s,
+                                  __m256 *acc) {
+    const int five = type == BASERT_GGML_Q5_K, rows = C * P;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 dv, neg_dmin;
+    __m256i sc[2], mn[2];
+    bt_k_headers(p, at, &dv, &neg_dmin, sc, mn);
+    #pragma GCC unroll 4
+    for (int pair = 0; pair < 4; pair++) {
+        __m256i total[2][BT_ROWS], part[2][BT_ROWS];
+        #pragma GCC unroll 8
+        for (int i = 0; i < rows; i++) total[0][i] = total[1][i] = part[0][i] = part[1][i] = _mm256_setzero_si256();
+        #pragma GCC unroll 2
+        for (int hc = 0; hc < 2; hc++) {
+            __m256i units[4], high[4];
+            bt_units(p, at + (five ? 48 : 16) + 32 * pair + 16 * hc, units);
+            if (five) bt_units(p, at + 16 + 16 * hc, high);
+            #pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                const int j = 2 * pair + half;
+                #pragma GCC unroll 4
+                for (int u = 0; u < 4; u++) {
+                    __m256i v = bt_bits(units[u], 4 * half, 15);
+                    /* Q5_K: bit j of the qh byte as 16. */
+                    if (five) v = _mm256_or_si256(v, bt_bits(high[u], j - 4, 16));
+                    #pragma GCC unroll 8
+                    for (int i = 0; i < rows; i++)
+                        part[half][i] = _mm256_add_epi16(part[half][i], _mm256_maddubs_epi16(
+                            v, bt_broadcast(a8 + i * k + 256 * sb + 32 * j + 16 * hc + 4 * u)));
+                }
+            }
+            if (five || hc == 1) {
+                #pragma GCC unroll 8
+                for (int i = 0; i < rows; i++) {
+                    #pragma GCC unroll 2
+                    for (int half = 0; half < 2; half++) {
+                        total[half][i] = _mm256_add_epi32(total[half][i], _mm256_madd_epi16(part[half][i], ones));
+                        part[half][i] = _mm256_setzero_si256();
+                    }
+                }
+            }
+        }
+        #pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            const int j = 2 * pair + half;
+            const ptrdiff_t b = 8 * sb + j;
+            const __m256 sv = _mm256_mul_ps(dv, bt_byte_f32(sc[j >> 2], j));
+            const __m256 bv = _mm256_mul_ps(neg_dmin, bt_byte_f32(mn[j >> 2], j));
+            #pragma GCC unroll 4
+            for (int c = 0; c < C; c++)
+                acc[c] = bq_fold_sums(1, 0, bt_join(C, P, total[half], c), sv, bv, d[c][b], s[c][b], acc[c]);
+        }
+    }
+}
+
+/* The same for a Q6_K super-block (A = d, sv): ql's low nibbles (sub-blocks t = 0, 1 of each half h) or high ones
+ * (t = 2, 3) joined to qh's two bits 2t; a row's 16-bit sums of two units (at most 2 * 2 * 63 * 128) widened by madd
+ * with the scale of their 16 values (the sign-extended scales of each sub-block in the 16-bit halves of sp[sub]);
+ * then 32 times the scales times the activation's sums of 16 (s16) taken off. */
+BASERT_ALWAYS_INLINE void bt_q6_k(const int C, const int P, const uint8_t *const *p, ptrdiff_t at, ptrdiff_t sb,
+                                  const int8_t *a8, const int32_t *s16, ptrdiff_t k, const float *const *d,
+                                  const float *const *s, __m256 sv, __m256 *acc) {
+    const int rows = C * P;
+    __m256i sp[8];
+    for (int r = 0; r < BQ_ROWS; r++)
+        sp[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(p[r] + at + 192)));
+    bq_transpose8((__m256 *)(void *)sp);
+    for (int h = 0; h < 2; h++) {
+        __m256i total[4][BT_ROWS];
+        #pragma GCC unroll 8
+        for (int i = 0; i < rows; i++) total[0][i] = total[1][i] = total[2][i] = total[3][i] = _mm256_setzero_si256();
+        #pragma GCC unroll 2
+        for (int hc = 0; hc < 2; hc++) {
+            __m256i qh[4];
+            bt_units(p, at + 128 + 32 * h + 16 * hc, qh);
+            #pragma GCC unroll 2
+            for (int src = 0; src < 2; src++) {
+                __m256i ql[4];
+                bt_units(p, at + 64 * h + 32 * src + 16 * hc, ql);
+                #pragma GCC unroll 2
+                for (int nib = 0; nib < 2; nib++) {
+                    const int t = src + 2 * nib, sub = 4 * h + t;
+                    /* The scale of these 16 values in both 16-bit halves of each row's lane. */
+                    const __m256i scale = hc ? _mm256_blend_epi16(sp[sub], _mm256_srli_epi32(sp[sub], 16), 0x55)
+                                             : _mm256_blend_epi16(sp[sub], _mm256_slli_epi32(sp[sub], 16), 0xAA);
+                    #pragma GCC unroll 2
+                    for (int u0 = 0; u0 < 4; u0 += 2) {
+                        __m256i part[BT_ROWS];
+                        #pragma GCC unroll 8
+                        for (int i = 0; i < rows; i++) part[i] = _mm256_setzero_si256();
+                        #pragma GCC unroll 2
+                        for (int u = u0; u < u0 + 2; u++) {
+                            const __m256i v = _mm256_or_si256(bt_bits(ql[u], 4 * nib, 15), bt_bits(qh[u], 2 * t - 4, 48));
+                            #pragma GCC unroll 8
+                            for (int i = 0; i < rows; i++)
+                                part[i] = _mm256_add_epi16(part[i], _mm256_maddubs_epi16(
+                                    v, bt_broadcast(a8 + i * k + 256 * sb + 32 * sub + 16 * hc + 4 * u)));
+                        }
+                        #pragma GCC unroll 8
+                        for (int i = 0; i < rows; i++) total[t][i] = _mm256_add_epi32(total[t][i], _mm256_madd_epi16(part[i], scale));
+                    }
+                }
+            }
+        }
+        #pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            const int sub = 4 * h + t;
+            const ptrdiff_t b = 8 * sb + sub;
+            #pragma GCC unroll 8
+            for (int i = 0; i < rows; i++) {
+                const __m256i offset = _mm256_madd_epi16(sp[sub], _mm256_set1_epi32(s16[i * (k / 32) + b]));
+                total[t][i] = _mm256_sub_epi32(total[t][i], _mm256_slli_epi32(offset, 5));
+            }
+            #pragma GCC unroll 4
+            for (int c = 0; c < C; c++) acc[c] = bq_fold_sums(0, 0, bt_join(C, P, total[t], c), sv, sv, d[c][b], s[c][b], acc[c]);
+        }
+    }
+}
+
+/* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C activation rows: their records at qx + c * rb,
+ * their P planes of bytes a8 and sums s16 (bt_activations). */
+BASERT_ALWAYS_INLINE void bt_block(const int C, const int P, const int type, const basert_weight *w, ptrdiff_t row,
+                                   int R, const uint8_t *qx, ptrdiff_t rb, const int8_t *a8, const int32_t *s16, float *y,
+                                   ptrdiff_t ldy) {
+    const ptrdiff_t k = w->k, bytes = basert_block_bytes(type), ahead = BQ_ROWS * w->row_bytes;
+    const uint8_t *p[BQ_ROWS];
+    ptrdiff_t rows[BQ_ROWS];
+    bq_row_pointers(w, row, R, rows, p);
+    const int16_t *q[BQ_COLS];
+    const float *d[BQ_COLS], *s[BQ_COLS];
+    __m256 acc[BQ_COLS];
+    bq_records(C, qx, rb, k, q, d, s, acc);
+    for (ptrdiff_t sb = 0; sb < k / 256; sb++) {
+        const ptrdiff_t at = sb * bytes;
+        /* The super-block of the next eight rows, a cache line at a time. */
+        for (ptrdiff_t line = 0; line < bytes; line += 64)
+            for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + at + line);
+        if (type == BASERT_GGML_Q6_K) {
+            float dq[BQ_ROWS];
+            for (int r = 0; r < BQ_ROWS; r++) dq[r] = bq_f16(p[r] + at + 208);
+            bt_q6_k(C, P, p, at, sb, a8, s16, k, d, s, _mm256_loadu_ps(dq), acc);
+        } else {
+            bt_q4_k(C, P, type, p, at, sb, a8, k, d, s, acc);
+        }
+    }
+    bq_store(C, R, acc, y + row, ldy);
+}
+
+/* Weight rows r0..r1 against the C (at most BQ_COLS) activation rows qx + c * rb of P planes (1: 8-bit codes, 2:
+ * 16-bit ones); 0 where their bytes could not be allocated (the caller takes bq_block then). */
+BASERT_ALWAYS_INLINE int bt_rows(const int C, const int P, const int type, const basert_weight *w, const uint8_t *qx,
+                                 ptrdiff_t rb, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
+    const ptrdiff_t k = w->k, a8_bytes = (P * C * k + 63) & ~(ptrdiff_t)63;
+    const ptrdiff_t s16_bytes = (P * C * (k / 32) * (ptrdiff_t)sizeof(int32_t) + 63) & ~(ptrdiff_t)63;
+    uint8_t *mem = aligned_alloc(64, (size_t)(a8_bytes + s16_bytes));
+    if (mem == NULL) return 0;
+    int8_t *a8 = (int8_t *)(void *)mem;
+    int32_t *s16 = (int32_t *)(void *)(mem + a8_bytes);
+    bt_activations(C, P, qx, rb, k, type == BASERT_GGML_Q6_K, a8, s16);
+    for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
+        const int R = r1 - row < BQ_ROWS ? (int)(r1 - row) : BQ_ROWS;
+        bt_block(C, P, type, w, row, R, qx, rb, a8, s16, y, ldy);
+    }
+    free(mem);
+    return 1;
+}
+
+/* bt_rows for C = c1 - c0 activation rows (at most BQ_COLS) from qx + c0 * rb, as constants of their instances. */
+BASERT_ALWAYS_INLINE int bt_cols(const int P, const int type, const basert_weight *w, const uint8_t *qx, ptrdiff_t rb,
+                                 ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
+    const uint8_t *qc = qx + c0 * rb;
+    float *yc = y + c0 * ldy;
+    switch (c1 - c0) {
+    case 4: return bt_rows(4, P, type, w, qc, rb, r0, r1, yc, ldy);
+    case 3: return bt_rows(3, P, type, w, qc, rb, r0, r1, yc, ldy);
+    case 2: return bt_rows(2, P, type, w, qc, rb, r0, r1, yc, ldy);
+    case 1: return bt_rows(1, P, type, w, qc, rb, r0, r1, yc, ldy);
+    default: return 0;
+    }
+}
+#endif
 
 #if defined(BASERT_AVX512)
 /* ---- AVX-512, one activation row: two blocks per 512-bit vector ----
@@ -1049,6 +1351,11 @@ BASERT_ALWAYS_INLINE void bq_run(const int C, const int kind, const int type, co
  * verification; SIMD variants take the unpacking kernels for larger batches). */
 BASERT_ALWAYS_INLINE void bq_rows(const int kind, const int type, const int sym, const basert_weight *w, const uint8_t *qx,
                                   ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
+#if defined(BASERT_SIMD)
+    if (BT_CAPABLE(kind, type) && (w->act_max == BASERT_ACT8 ? bt_cols(1, type, w, qx, rb, c0, c1, r0, r1, y, ldy)
+                                                             : bt_cols(2, type, w, qx, rb, c0, c1, r0, r1, y, ldy)))
+        return;
+#endif
     for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
         const int R = r1 - row < BQ_ROWS ? (int)(r1 - row) : BQ_ROWS;
         ptrdiff_t c = c0;
