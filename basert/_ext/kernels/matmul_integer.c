@@ -1,14 +1,17 @@
 /* Quantized activations and the integer dot products of quantized weights (matmul.h states the contract): base_q4 /
  * base_q8, and the GGUF blocks Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1.
  *
- * SIMD variants, one activation row (decode): eight weight rows at a time; each row's 32 integers of a block are split
- * into two vectors of 16-bit lanes, the even-numbered values and the odd-numbered ones (the order of the activation
- * records), which meet the activation block in two madds (Q3_K's and Q6_K's scales multiplied in first); the eight
- * rows' partial sums are folded into one vector of eight exact block sums (lane r: weight row r), and the float
- * operations run on those eight rows at once; the AVX-512 variant takes two blocks per vector where it can (bz_*).
- * With 8-bit activations, weights whose codes are below 32 meet them as bytes instead (bq_dot8_pair: one maddubs per
- * row and block).
- * Batches of two or more rows take the unpacking kernels further down (bg_*). The portable variant computes the same integers and float operations row by row. */
+ * SIMD variants, one to four activation rows (decode, a few sequences, short verifications), eight weight rows at a
+ * time. Q4_K, Q5_K and Q6_K (bt_*): the eight rows' code bytes transposed by four-byte units, so that each maddubs
+ * against broadcast activation bytes leaves row r's sums in lane r, with no fold; 16-bit activations as two planes
+ * of bytes. The other weights: each row's 32 integers of a block are split into two vectors of 16-bit lanes, the
+ * even-numbered values and the odd-numbered ones (the order of the activation records), which meet the activation
+ * block in two madds (Q3_K's scales multiplied in first); the eight rows' partial sums are folded into one vector of
+ * eight exact block sums (lane r: weight row r), and the float operations run on those eight rows at once; the
+ * AVX-512 variant takes two blocks per vector where it can (bz_*). With 8-bit activations, base_q4, Q5_0 and Q5_1 codes
+ * meet them as bytes instead (bq_dot8_pair: one maddubs per row and block).
+ * Batches of five rows or more take the unpacking kernels further down (bg_*). The portable variant computes the same
+ * integers and float operations row by row. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -740,7 +743,8 @@ BASERT_ALWAYS_INLINE void bt_q4_k(const int C, const int P, const int type, cons
                             v, bt_broadcast(a8 + i * k + 256 * sb + 32 * j + 16 * hc + 4 * u)));
                 }
             }
-            if (five || hc == 1) {
+            /* Widened after every 16 values with more than two rows of bytes: fewer registers live. */
+            if (five || hc == 1 || rows > 2) {
                 #pragma GCC unroll 8
                 for (int i = 0; i < rows; i++) {
                     #pragma GCC unroll 2
