@@ -610,8 +610,8 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
  * I = 128 * I_hi + I_lo in wrapping 32-bit arithmetic, exact wherever the contract has I fit in 32 bits. Every sum of
  * products kept in 16 bits is bounded below 32768 for codes of magnitude 128 at most (the comments say how). */
 #if defined(BASERT_SIMD)
-#define BT_CAPABLE(kind, type) ((kind) == BASERT_BLOCKS && ((type) == BASERT_GGML_Q4_K || (type) == BASERT_GGML_Q5_K || \
-    (type) == BASERT_GGML_Q6_K))
+#define BT_CAPABLE(kind, type) ((kind) == BASERT_Q4 || ((kind) == BASERT_BLOCKS && ((type) == BASERT_GGML_Q4_K || \
+    (type) == BASERT_GGML_Q5_K || (type) == BASERT_GGML_Q6_K)))
 /* Rows of activation bytes at most: two planes of BQ_COLS activation rows. */
 #define BT_ROWS (2 * BQ_COLS)
 
@@ -653,11 +653,17 @@ BASERT_ALWAYS_INLINE int32_t bt_sums16(__m256i v) {
     return (int32_t)(((uint32_t)hi << 16) | ((uint32_t)lo & 0xffffu));
 }
 
-/* The C activation records qx + c * rb of k values as P planes of bytes in natural order, plane row i = pl * C + c
+/* A block's even- and odd-numbered codes (16-bit lanes) as bytes in natural order or, `natural` 0, in the records'
+ * order: the 16 even-numbered values, then the 16 odd-numbered ones. */
+BASERT_ALWAYS_INLINE __m256i bt_pack(const int natural, __m256i even, __m256i odd) {
+    return natural ? bq_pack8(even, odd) : _mm256_permute4x64_epi64(_mm256_packs_epi16(even, odd), 0xD8);
+}
+
+/* The C activation records qx + c * rb of k values as P planes of bytes (bt_pack's order), plane row i = pl * C + c
  * at a8 + i * k: the 8-bit codes (P = 1), or the 16-bit codes' lo then hi bytes (P = 2); with `sums` (Q6_K), each
  * plane row's sums of 16 codes, s16[i * k / 32 + b] for block b (bt_sums16). */
-BASERT_ALWAYS_INLINE void bt_activations(const int C, const int P, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t k,
-                                         const int sums, int8_t *a8, int32_t *s16) {
+BASERT_ALWAYS_INLINE void bt_activations(const int C, const int P, const int natural, const uint8_t *qx, ptrdiff_t rb,
+                                         ptrdiff_t k, const int sums, int8_t *a8, int32_t *s16) {
     const __m256i low7 = _mm256_set1_epi16(127);
     for (int c = 0; c < C; c++) {
         const int16_t *q = bq_codes(qx + c * rb);
@@ -665,9 +671,9 @@ BASERT_ALWAYS_INLINE void bt_activations(const int C, const int P, const uint8_t
             const __m256i even = bq_load32((const uint8_t *)(const void *)(q + 32 * b));
             const __m256i odd = bq_load32((const uint8_t *)(const void *)(q + 32 * b + 16));
             for (int pl = 0; pl < P; pl++) {
-                const __m256i v = P == 1    ? bq_pack8(even, odd)
-                                  : pl == 0 ? bq_pack8(_mm256_and_si256(even, low7), _mm256_and_si256(odd, low7))
-                                            : bq_pack8(_mm256_srai_epi16(even, 7), _mm256_srai_epi16(odd, 7));
+                const __m256i v = P == 1    ? bt_pack(natural, even, odd)
+                                  : pl == 0 ? bt_pack(natural, _mm256_and_si256(even, low7), _mm256_and_si256(odd, low7))
+                                            : bt_pack(natural, _mm256_srai_epi16(even, 7), _mm256_srai_epi16(odd, 7));
                 const ptrdiff_t i = pl * C + c;
                 _mm256_storeu_si256((__m256i *)(void *)(a8 + i * k + 32 * b), v);
                 if (sums) s16[i * (k / 32) + b] = bt_sums16(v);
@@ -832,12 +838,57 @@ BASERT_ALWAYS_INLINE void bt_q6_k(const int C, const int P, const uint8_t *const
     }
 }
 
+/* acc[c] + t for every block of eight base_q4 rows p[r] (their indices `rows`) against C activation rows of P planes
+ * in the records' order: unit u of a block's 16 bytes holds values 8u .. 8u + 7, the even-numbered ones in its low
+ * nibbles (record positions 4u .. 4u + 4) and the odd-numbered ones in its high nibbles (16 + 4u ..). A block's 16-bit
+ * sums take its eight maddubs (at most 8 * 2 * 15 * 128). */
+BASERT_ALWAYS_INLINE void bt_base_q4(const int C, const int P, const int sym, const basert_weight *w,
+                                     const ptrdiff_t *rows, const uint8_t *const *p, const int8_t *a8,
+                                     const float *const *d, const float *const *s, __m256 *acc) {
+    const int has_bias = bq_has_bias(BASERT_Q4, 0, sym), offset = bq_offset(BASERT_Q4, 0, sym), n_rows = C * P;
+    const ptrdiff_t k = w->k, per_group = w->group_size / 32, groups = k / 32 / per_group, ahead = BQ_ROWS * w->row_bytes;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
+    __m256 scale[8], bias[8];
+    for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
+        const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
+        bq_scale_run(BASERT_Q4, 0, has_bias, w, rows, p, groups, g0, gn, scale, bias);
+        for (ptrdiff_t j = 0; j < gn; j++) {
+            for (ptrdiff_t i = 0; i < per_group; i++) {
+                const ptrdiff_t b = (g0 + j) * per_group + i;
+                /* The same codes of the next eight rows, a cache line every four blocks. */
+                if ((b & 3) == 0)
+                    for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + 16 * b);
+                __m256i units[4], part[BT_ROWS];
+                bt_units(p, 16 * b, units);
+                #pragma GCC unroll 8
+                for (int x = 0; x < n_rows; x++) part[x] = _mm256_setzero_si256();
+                #pragma GCC unroll 4
+                for (int u = 0; u < 4; u++) {
+                    const __m256i even = _mm256_and_si256(units[u], low4);
+                    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(units[u], 4), low4);
+                    #pragma GCC unroll 8
+                    for (int x = 0; x < n_rows; x++) {
+                        const int8_t *a = a8 + x * k + 32 * b + 4 * u;
+                        part[x] = _mm256_add_epi16(part[x], _mm256_add_epi16(_mm256_maddubs_epi16(even, bt_broadcast(a)),
+                                                                             _mm256_maddubs_epi16(odd, bt_broadcast(a + 16))));
+                    }
+                }
+                #pragma GCC unroll 8
+                for (int x = 0; x < n_rows; x++) part[x] = _mm256_madd_epi16(part[x], ones);
+                #pragma GCC unroll 4
+                for (int c = 0; c < C; c++)
+                    acc[c] = bq_fold_sums(has_bias, offset, bt_join(C, P, part, c), scale[j], bias[j], d[c][b], s[c][b], acc[c]);
+            }
+        }
+    }
+}
+
 /* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C activation rows: their records at qx + c * rb,
  * their P planes of bytes a8 and sums s16 (bt_activations). */
-BASERT_ALWAYS_INLINE void bt_block(const int C, const int P, const int type, const basert_weight *w, ptrdiff_t row,
-                                   int R, const uint8_t *qx, ptrdiff_t rb, const int8_t *a8, const int32_t *s16, float *y,
-                                   ptrdiff_t ldy) {
-    const ptrdiff_t k = w->k, bytes = basert_block_bytes(type), ahead = BQ_ROWS * w->row_bytes;
+BASERT_ALWAYS_INLINE void bt_block(const int C, const int P, const int kind, const int type, const int sym,
+                                   const basert_weight *w, ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb,
+                                   const int8_t *a8, const int32_t *s16, float *y, ptrdiff_t ldy) {
+    const ptrdiff_t k = w->k, ahead = BQ_ROWS * w->row_bytes;
     const uint8_t *p[BQ_ROWS];
     ptrdiff_t rows[BQ_ROWS];
     bq_row_pointers(w, row, R, rows, p);
@@ -845,6 +896,12 @@ BASERT_ALWAYS_INLINE void bt_block(const int C, const int P, const int type, con
     const float *d[BQ_COLS], *s[BQ_COLS];
     __m256 acc[BQ_COLS];
     bq_records(C, qx, rb, k, q, d, s, acc);
+    if (kind == BASERT_Q4) {
+        bt_base_q4(C, P, sym, w, rows, p, a8, d, s, acc);
+        bq_store(C, R, acc, y + row, ldy);
+        return;
+    }
+    const ptrdiff_t bytes = basert_block_bytes(type);
     for (ptrdiff_t sb = 0; sb < k / 256; sb++) {
         const ptrdiff_t at = sb * bytes;
         /* The super-block of the next eight rows, a cache line at a time. */
@@ -863,33 +920,35 @@ BASERT_ALWAYS_INLINE void bt_block(const int C, const int P, const int type, con
 
 /* Weight rows r0..r1 against the C (at most BQ_COLS) activation rows qx + c * rb of P planes (1: 8-bit codes, 2:
  * 16-bit ones); 0 where their bytes could not be allocated (the caller takes bq_block then). */
-BASERT_ALWAYS_INLINE int bt_rows(const int C, const int P, const int type, const basert_weight *w, const uint8_t *qx,
-                                 ptrdiff_t rb, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
+BASERT_ALWAYS_INLINE int bt_rows(const int C, const int P, const int kind, const int type, const int sym,
+                                 const basert_weight *w, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t r0, ptrdiff_t r1,
+                                 float *y, ptrdiff_t ldy) {
     const ptrdiff_t k = w->k, a8_bytes = (P * C * k + 63) & ~(ptrdiff_t)63;
     const ptrdiff_t s16_bytes = (P * C * (k / 32) * (ptrdiff_t)sizeof(int32_t) + 63) & ~(ptrdiff_t)63;
     uint8_t *mem = aligned_alloc(64, (size_t)(a8_bytes + s16_bytes));
     if (mem == NULL) return 0;
     int8_t *a8 = (int8_t *)(void *)mem;
     int32_t *s16 = (int32_t *)(void *)(mem + a8_bytes);
-    bt_activations(C, P, qx, rb, k, type == BASERT_GGML_Q6_K, a8, s16);
+    bt_activations(C, P, kind != BASERT_Q4, qx, rb, k, kind == BASERT_BLOCKS && type == BASERT_GGML_Q6_K, a8, s16);
     for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
         const int R = r1 - row < BQ_ROWS ? (int)(r1 - row) : BQ_ROWS;
-        bt_block(C, P, type, w, row, R, qx, rb, a8, s16, y, ldy);
+        bt_block(C, P, kind, type, sym, w, row, R, qx, rb, a8, s16, y, ldy);
     }
     free(mem);
     return 1;
 }
 
 /* bt_rows for C = c1 - c0 activation rows (at most BQ_COLS) from qx + c0 * rb, as constants of their instances. */
-BASERT_ALWAYS_INLINE int bt_cols(const int P, const int type, const basert_weight *w, const uint8_t *qx, ptrdiff_t rb,
-                                 ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
+BASERT_ALWAYS_INLINE int bt_cols(const int P, const int kind, const int type, const int sym, const basert_weight *w,
+                                 const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1,
+                                 float *y, ptrdiff_t ldy) {
     const uint8_t *qc = qx + c0 * rb;
     float *yc = y + c0 * ldy;
     switch (c1 - c0) {
-    case 4: return bt_rows(4, P, type, w, qc, rb, r0, r1, yc, ldy);
-    case 3: return bt_rows(3, P, type, w, qc, rb, r0, r1, yc, ldy);
-    case 2: return bt_rows(2, P, type, w, qc, rb, r0, r1, yc, ldy);
-    case 1: return bt_rows(1, P, type, w, qc, rb, r0, r1, yc, ldy);
+    case 4: return bt_rows(4, P, kind, type, sym, w, qc, rb, r0, r1, yc, ldy);
+    case 3: return bt_rows(3, P, kind, type, sym, w, qc, rb, r0, r1, yc, ldy);
+    case 2: return bt_rows(2, P, kind, type, sym, w, qc, rb, r0, r1, yc, ldy);
+    case 1: return bt_rows(1, P, kind, type, sym, w, qc, rb, r0, r1, yc, ldy);
     default: return 0;
     }
 }
@@ -1356,8 +1415,8 @@ BASERT_ALWAYS_INLINE void bq_run(const int C, const int kind, const int type, co
 BASERT_ALWAYS_INLINE void bq_rows(const int kind, const int type, const int sym, const basert_weight *w, const uint8_t *qx,
                                   ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
 #if defined(BASERT_SIMD)
-    if (BT_CAPABLE(kind, type) && (w->act_max == BASERT_ACT8 ? bt_cols(1, type, w, qx, rb, c0, c1, r0, r1, y, ldy)
-                                                             : bt_cols(2, type, w, qx, rb, c0, c1, r0, r1, y, ldy)))
+    if (BT_CAPABLE(kind, type) && (w->act_max == BASERT_ACT8 ? bt_cols(1, kind, type, sym, w, qx, rb, c0, c1, r0, r1, y, ldy)
+                                                             : bt_cols(2, kind, type, sym, w, qx, rb, c0, c1, r0, r1, y, ldy)))
         return;
 #endif
     for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
