@@ -281,10 +281,12 @@ def test_the_largest_block_sums_fit_in_32_bits() -> None:
     assert np.allclose(want, [[4096 * k, -127 * 32 * k], [-4096 * k, 127 * 32 * k]], rtol=1e-6)
 
 
+@pytest.mark.parametrize("bits", (8, 16))
 @pytest.mark.parametrize("kind", ("Q4_K", "Q5_K", "Q6_K"))
-def test_the_largest_8_bit_sums_of_k_quants_keep_their_sign(kind: str) -> None:
-    """Every code at its largest (Q6_K: 63, with scales -128 and 127) against full-scale 8-bit activations of either
-    sign: the kernels that add products in 16 bits before widening them must neither saturate nor wrap."""
+def test_the_largest_sums_of_k_quants_keep_their_sign(kind: str, bits: int) -> None:
+    """Every code at its largest (Q6_K: 63, with scales -128 and 127) against full-scale activations of either sign
+    (16-bit codes of -16383 have the byte plane hi = -128): the kernels that add products in 16 bits before widening
+    them must neither saturate nor wrap."""
     k, n = 512, 16
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
     raw = np.full((n, k // 256, size), 0xFF, dtype=np.uint8)
@@ -297,9 +299,9 @@ def test_the_largest_8_bit_sums_of_k_quants_keep_their_sign(kind: str) -> None:
         raw[..., 0:2] = scale
         raw[..., 2:4] = scale
     raw = raw.reshape(n, -1)
-    weight = mm.Weight(kind, n, k, raw.reshape(-1), exact=False, act_bits=8)
+    weight = mm.Weight(kind, n, k, raw.reshape(-1), exact=False, act_bits=bits)
     x = np.stack([np.ones(k, np.float32), -np.ones(k, np.float32), np.tile([1, -1], k // 2).astype(np.float32)])
-    want = integer_reference(x, *gguf_ints(kind, raw, k), bits=8)
+    want = integer_reference(x, *gguf_ints(kind, raw, k), bits=bits)
     for m in (1, 2, 3):
         assert same_bits(run(x[:m], weight), want[:m]), f"M={m}"
     assert np.all(want[0] != 0) and np.all(np.sign(want[0]) == -np.sign(want[1]))
