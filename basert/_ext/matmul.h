@@ -91,16 +91,12 @@ void basert_stream(const basert_weight *w, const float *x, ptrdiff_t ldx, ptrdif
  *     out = ((t_0 + t_1) + t_2) + ...                  in block order
  *
  * each product and sum a float32 operation of its own (no FMA). Blocks of 32 for the K-quants too, where llama.cpp
- * quantizes their activations once per 256 (Q8_K) and takes one float step per super-block: that arithmetic was built
- * and measured (the unpacking, byte and plain kernels, bit for bit) and gave decode 6% (one sequence) to 15% (four)
- * on Qwen2.5-Coder-1.5B Q4_K_M on a 2-core Zen 3, at a mean KL against the exact path of 8.1e-3 instead of 6.5e-4
- * (1.3e-3 with the MLP's gate and up, whose input carries outliers, kept per 32), and 3.3e-2 on Gemma 3 270M with
- * only its Q4_K / Q6_K o_proj and down per 256, worse than llama.cpp's 1.95e-2. 16383 is the largest code for which
- * every block sum
- * fits in 32 bits (|w| <= 4096 for Q6_K: 32 * 4096 * 16383 < 2^31). Which weights take 16 bits is the model's
- * choice (basert/models/layers.py: the LM head), measured against the exact path and llama.cpp with
- * tools/check_agreement.py. The integer sums are exact whichever instructions, lanes or order compute them, and the
- * float operations are the same everywhere, so an output is the same bits on every CPU variant, whatever the batch,
+ * quantizes their activations once per 256 (Q8_K): that arithmetic was measured a few percent faster and several
+ * times less accurate, worse than llama.cpp's on Gemma 3 (the README gives the numbers). 16383 is the largest code
+ * for which every block sum fits in 32 bits (|w| <= 4096 for Q6_K: 32 * 4096 * 16383 < 2^31). Which weights take
+ * 16 bits is the model's choice (basert/models/layers.py: the LM head), measured against the exact path and llama.cpp
+ * with tools/check_agreement.py. The integer sums are exact whichever instructions, lanes or order compute them, and
+ * the float operations are the same everywhere, so an output is the same bits on every CPU variant, whatever the batch,
  * the rows computed with it or the thread count, and a numpy reference reproduces it exactly. Rows of quantized
  * activations are records of basert_qrow_bytes(k) bytes: k codes (int16 whatever Q; in each block of 32 the 16
  * even-numbered values first, then the 16 odd-numbered ones, the order in which the kernels split a block's weights
