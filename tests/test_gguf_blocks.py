@@ -9,6 +9,8 @@ import gguf
 import numpy as np
 from gguf_files import Q, random_blocks, write_gguf
 
+from basert._ext import VARIANT
+from basert._ext import matmul as mm
 from basert.convert import convert
 from basert.engine.runner import ForwardRequest, ModelRunner
 from basert.format import BaseFile
@@ -74,3 +76,41 @@ def test_block_weights_give_the_float32_models_logits(tmp_path: Path):
     (prompt_a, step_a), (prompt_b, step_b) = results
     assert np.array_equal(prompt_a.view(np.uint32), prompt_b.view(np.uint32))
     assert np.array_equal(step_a.view(np.uint32), step_b.view(np.uint32))
+
+
+def test_a_tied_k_quant_embedding_is_packed_once_for_lookup_and_head(tmp_path: Path):
+    """token_embd as Q4_K and no output tensor: the embedding lookups and the LM head read one packed copy (on the SIMD
+    variants), and the lookups give the blocks' values."""
+    rng = np.random.default_rng(7)
+    embedding = random_blocks(rng, Q.Q4_K, 512, HIDDEN, below=0x2400)
+    tensors = {
+        "token_embd.weight": (embedding, Q.Q4_K),
+        "output_norm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN, dtype=np.float32), Q.F32),
+        "blk.0.attn_norm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN, dtype=np.float32), Q.F32),
+        "blk.0.ffn_norm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN, dtype=np.float32), Q.F32),
+        **{name: (random_blocks(rng, Q.Q4_K, rows, k, below=0x2400), Q.Q4_K)
+           for name, (rows, k) in {"blk.0.attn_q.weight": (4 * HEAD_DIM, HIDDEN),
+                                   "blk.0.attn_k.weight": (2 * HEAD_DIM, HIDDEN),
+                                   "blk.0.attn_v.weight": (2 * HEAD_DIM, HIDDEN),
+                                   "blk.0.attn_output.weight": (HIDDEN, 4 * HEAD_DIM),
+                                   "blk.0.ffn_gate.weight": (FF, HIDDEN), "blk.0.ffn_up.weight": (FF, HIDDEN),
+                                   "blk.0.ffn_down.weight": (HIDDEN, FF)}.items()},
+    }
+    src, out = tmp_path / "tied.gguf", tmp_path / "tied.base"
+    write_gguf(src, "llama", tensors, hidden=HIDDEN, ff=FF, head_dim=HEAD_DIM)
+    convert(src, out)
+    runner = ModelRunner(out, max_context=64, exact=False)
+    try:
+        embed, head = runner.model.embed, runner.model.head
+        assert embed.packed == head.packed == (VARIANT != "portable")
+        assert np.shares_memory(embed.data, head.data) and head.act_bits == 16
+        ids = np.array([0, 9, 511, 8], dtype=np.int32)
+        rows = np.zeros((ids.size, HIDDEN), dtype=np.float32)
+        mm.embed_rows(embed, ids, rows)
+        values = gguf.quants.dequantize(embedding, Q.Q4_K).reshape(512, HIDDEN)
+        assert np.array_equal(rows, values[ids])
+        seq = runner.new_sequence()
+        logits = runner.forward([ForwardRequest(seq, [int(i) for i in ids])])[0]
+        assert logits.shape == (1, 512) and np.isfinite(logits).all()
+    finally:
+        runner.close()

@@ -41,6 +41,7 @@ typedef struct {
     const uint16_t *biases;    /* NULL: symmetric codes (u - 2^(bits-1)) * scale */
     int integer;               /* meets quantized activations in integer dot products (basert_qmatmul); else the float path */
     int act_max;               /* with integer: the largest activation code, BASERT_ACT8 or BASERT_ACT16 */
+    int packed;                /* rows stored eight at a time interleaved (basert_packs: the layout below) */
 } basert_weight;
 
 /* The largest code of 8-bit and of 16-bit activations (matmul.h's records hold either). */
@@ -119,10 +120,57 @@ static inline int basert_integer_capable(const basert_weight *w) {
  * most qmax in magnitude (BASERT_ACT8 or BASERT_ACT16: the act_max of the weights that read them). */
 void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t k, int qmax, uint8_t *dst);
 
+/* ---- packed rows: eight weight rows side by side, as the byte kernels read them ----
+ *
+ * A Q4_K, Q5_K or Q6_K weight on the integer path of a SIMD variant is stored packed when the Weight is built (its
+ * file's bytes copied once, basert_pack_rows): rows 8g .. 8g + 8 for g < n / 8 form group g, which takes the bytes
+ * rows 8g .. 8g + 8 would take (from data + 8g * row_bytes) and holds their super-blocks sb one after the other
+ * (8 * bytes each, bytes = basert_block_bytes). In a group's super-block, the 16 bytes at offset 16o (o < bytes / 16)
+ * of the eight rows take the 128 bytes from 128o as four vectors of 32: vector u holds bytes 16o + 4u .. + 4 of row r
+ * at 32u + 4r. The bytes / 16 * 16 .. bytes of each row (Q6_K's d) follow, row after row. The n % 8 last rows stay as
+ * stored. So one thread's rows are one sequential stream, and the byte kernels read the transposed units of eight rows
+ * with four loads. The portable variant's plain loops, and the exact path, read the file's layout. */
+
+/* Whether a weight is stored packed: integer Q4_K / Q5_K / Q6_K with eight rows at least, in the SIMD variants. */
+static inline int basert_packs(const basert_weight *w) {
+#if defined(BASERT_SIMD)
+    return w->integer && w->n >= 8 && w->kind == BASERT_BLOCKS &&
+           (w->ggml_type == BASERT_GGML_Q4_K || w->ggml_type == BASERT_GGML_Q5_K || w->ggml_type == BASERT_GGML_Q6_K);
+#else
+    (void)w;
+    return 0;
+#endif
+}
+
+/* The largest super-block (Q6_K's 210 bytes). */
+#define BASERT_MAX_BLOCK_BYTES 256
+
+/* Where byte j of a row's super-block lies in its packed group's super-block, for row r (0..7) of the group. */
+static inline ptrdiff_t basert_packed_at(ptrdiff_t bytes, int r, ptrdiff_t j) {
+    const ptrdiff_t units = bytes / 16 * 16;
+    if (j < units) return 8 * (j & ~(ptrdiff_t)15) + 32 * ((j >> 2) & 3) + 4 * r + (j & 3);
+    return 8 * units + (bytes - units) * r + (j - units);
+}
+
+/* Super-block sb of weight row `row` as the file stores it: in place, or copied out of its packed group into buf
+ * (BASERT_MAX_BLOCK_BYTES). Blocks of 32 values (Q5_0, Q5_1) are never packed: block sb in place. */
+static inline const uint8_t *basert_weight_block(const basert_weight *w, ptrdiff_t row, ptrdiff_t sb, uint8_t *buf) {
+    const ptrdiff_t bytes = basert_block_bytes(w->ggml_type);
+    if (!w->packed || row >= w->n / 8 * 8) return w->data + row * w->row_bytes + sb * bytes;
+    const uint8_t *group = w->data + (row & ~(ptrdiff_t)7) * w->row_bytes + 8 * sb * bytes;
+    const int r = (int)(row & 7);
+    for (ptrdiff_t j = 0; j < bytes; j++) buf[j] = group[basert_packed_at(bytes, r, j)];
+    return buf;
+}
+
+/* Rows r0 .. r1 of the weight (r0 a multiple of 8; r1 too, or n) from src, as the file stores them, into dst in the
+ * packed layout: bytes r0 * row_bytes .. r1 * row_bytes of each. */
+void basert_pack_rows(const basert_weight *w, const uint8_t *src, uint8_t *dst, ptrdiff_t r0, ptrdiff_t r1);
+
 /* Columns r0..r1 of y[m, ldy] = x @ W^T for a weight with `integer` set, x given as m quantized rows (records of
  * basert_qrow_bytes(w->k) bytes from qx). Up to four rows (decode, a few sequences), and every batch in the portable
  * variant: weight rows eight at a time streamed against the activation rows; base_q4, Q4_K, Q5_K and Q6_K in the
- * SIMD variants as bytes, eight rows side by side (one row per 32-bit lane, no fold); the others with a horizontal fold
+ * SIMD variants as bytes, eight rows side by side (one row per 32-bit lane, no fold; the K-quants read packed); the others with a horizontal fold
  * per block (on AVX-512, two blocks per 512-bit vector for base_q8). Five or more (SIMD variants): sixteen weight
  * rows at a time unpacked into 16-bit pairs, one row per lane, 2,048 values at a time, and every activation row run
  * against them four at a time (no fold; vpdpwssd on AVX512-VNNI CPUs); the activation rows in blocks that stay in

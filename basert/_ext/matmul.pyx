@@ -36,6 +36,11 @@ cdef extern from "matmul.h" nogil:
         const uint16_t *biases
         int integer
         int act_max
+        int packed
+    int basert_packs(const basert_weight *w)
+    enum: BASERT_MAX_BLOCK_BYTES
+    const uint8_t *basert_weight_block(const basert_weight *w, Py_ssize_t row, Py_ssize_t sb, uint8_t *buf)
+    void basert_pack_rows(const basert_weight *w, const uint8_t *src, uint8_t *dst, Py_ssize_t r0, Py_ssize_t r1)
     enum: BASERT_ACT8
     enum: BASERT_ACT16
     int basert_omp_max_threads()
@@ -152,7 +157,12 @@ cdef class QuantizedRows:
 
 
 cdef class Weight:
-    """A read-only view of one .base weight matrix [N, K]; keeps references to its arrays, never copies them."""
+    """One .base weight matrix [N, K]: a read-only view of its arrays, kept alive here; a Q4_K / Q5_K / Q6_K weight on
+    the integer path of a SIMD variant copies its bytes once into the packed layout instead (matmul.h; `packed`), after
+    which the caller may let the file's pages go. `packed=True` says the data already is in that layout (another packed
+    weight's rows). `release(start, stop)`, where given, is called as the packing goes with each range of data's bytes
+    that it has copied and no longer reads (the caller may let the file's pages go: the copy and the file are then never
+    both in memory whole)."""
 
     cdef readonly str kind, scale_dtype
     cdef readonly int n, k, group_size
@@ -164,7 +174,7 @@ cdef class Weight:
     cdef basert_weight c
 
     def __init__(self, str kind, int n, int k, data, scales=None, biases=None, int group_size=0,
-                 str scale_dtype="f16", exact=None, int act_bits=8):
+                 str scale_dtype="f16", exact=None, int act_bits=8, bint packed=False, release=None):
         if kind not in _KINDS and kind not in BLOCK_KINDS:
             raise ValueError(f"kind must be one of {tuple(_KINDS) + tuple(BLOCK_KINDS)}, got {kind!r}")
         if n < 0 or k < 1:
@@ -227,11 +237,43 @@ cdef class Weight:
         self.exact = _exact if exact is None else bool(exact)
         self.c.integer = not self.exact and basert_integer_capable(&self.c)
         self.act_bits = act_bits
+        self.c.packed = 0
+        if packed and not basert_packs(&self.c):
+            raise ValueError(f"{self!r} is not stored packed: its data cannot be in the packed layout")
+        if packed or basert_packs(&self.c):
+            self._pack(packed, release)
+
+    cdef _pack(self, bint already, release):
+        """Take the packed layout: the data as it is (`already`), or a copy of it packed, about 8 MiB at a time."""
+        import numpy as np
+        cdef const uint8_t[::1] src = self._data_view
+        cdef uint8_t[::1] dst
+        cdef Py_ssize_t rb = self.c.row_bytes, n = self.c.n, r0, r1
+        cdef Py_ssize_t step = max(8, (1 << 23) // rb // 8 * 8)
+        if not already:
+            out = np.empty(src.shape[0], dtype=np.uint8)
+            dst = out
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                with nogil:
+                    basert_pack_rows(&self.c, &src[0], &dst[0], r0, r1)
+                if release is not None:
+                    release(r0 * rb, r1 * rb)
+            out.flags.writeable = False
+            self.data = out
+            self._data_view = out
+            self.c.data = &self._data_view[0]
+        self.c.packed = 1
 
     @property
     def integer(self):
         """Whether this weight meets quantized activations in integer dot products (else the exact float32 path)."""
         return bool(self.c.integer)
+
+    @property
+    def packed(self):
+        """Whether the weight's bytes are stored packed (matmul.h): a copy of the file's, which it no longer reads."""
+        return bool(self.c.packed)
 
     @property
     def act_bits(self):
@@ -250,6 +292,13 @@ cdef class Weight:
             raise ValueError(f"rows [{start}, {stop}) out of range for {self.n} rows")
         rb = self.c.row_bytes
         data = self.data[start * rb:stop * rb]
+        if self.c.packed:
+            # Whole groups (and the rows after them, stored as they are) keep the layout; other rows are copied out.
+            if start % 8 or (stop % 8 and stop != self.n):
+                return Weight(self.kind, stop - start, self.k, self._stored_rows(start, stop), exact=self.exact,
+                              act_bits=self.act_bits)
+            return Weight(self.kind, stop - start, self.k, data, exact=self.exact, act_bits=self.act_bits,
+                          packed=stop - start >= 8)
         if self.scales is None:
             return Weight(self.kind, stop - start, self.k, data, group_size=self.group_size if self.c.ggml_type else 0,
                           exact=self.exact, act_bits=self.act_bits)
@@ -257,6 +306,19 @@ cdef class Weight:
         biases = None if self.biases is None else self.biases[start * g:stop * g]
         return Weight(self.kind, stop - start, self.k, data, self.scales[start * g:stop * g], biases,
                       self.group_size, self.scale_dtype, exact=self.exact, act_bits=self.act_bits)
+
+    def _stored_rows(self, Py_ssize_t start, Py_ssize_t stop):
+        """The bytes of rows [start, stop) as the file stores them (a new array)."""
+        import numpy as np
+        cdef Py_ssize_t bytes = basert_block_bytes(self.c.ggml_type), per_row = self.c.row_bytes // bytes, row, sb
+        cdef uint8_t buf[BASERT_MAX_BLOCK_BYTES]
+        out = np.empty((stop - start) * self.c.row_bytes, dtype=np.uint8)
+        cdef uint8_t[::1] dst = out
+        for row in range(start, stop):
+            for sb in range(per_row):
+                memcpy(&dst[(row - start) * self.c.row_bytes + sb * bytes], basert_weight_block(&self.c, row, sb, buf),
+                       bytes)
+        return out
 
     @property
     def c_address(self):

@@ -173,6 +173,17 @@ class BaseFile:
         info = self._info(name)
         return self._view(info.offset, info.length, np.uint8)
 
+    def release(self, name: str, start: int = 0, stop: int | None = None) -> None:
+        """Let the pages of bytes [start, stop) of a tensor's payload (all of it by default) go from this process's
+        memory, whole pages only (those shared with the bytes around stay): for bytes read once into a copy. A later
+        read maps them in again from the file."""
+        info = self._info(name)
+        end = info.length if stop is None else min(stop, info.length)
+        start = -(-(info.offset + start) // mmap.PAGESIZE) * mmap.PAGESIZE
+        stop = (info.offset + end) // mmap.PAGESIZE * mmap.PAGESIZE
+        if stop > start:
+            self._mapped().madvise(mmap.MADV_DONTNEED, start, stop - start)
+
     def array(self, name: str) -> np.ndarray:
         """Read-only view of a dense tensor shaped `array_shape` (bf16 comes back as uint16 raw bits)."""
         info = self._info(name)

@@ -40,13 +40,15 @@ class Workspace:
 
 
 class Weights:
-    """Zero-copy kernel views of a .base file's tensors, each checked against the shape its block expects;
-    `used` collects the names taken."""
+    """Kernel views of a .base file's tensors, each checked against the shape its block expects (zero-copy, but for
+    the packed weights' one copy each: matmul.Weight); `used` collects the names taken."""
 
     def __init__(self, base: BaseFile):
         self.base = base
         self.where = f"{base.path} ({base.arch})"
         self.used: set[str] = set()
+        # Tensor name -> its packed weight: a tensor taken twice (a tied embedding and LM head) shares one copy.
+        self.packed: dict[str, mm.Weight] = {}
 
     def error(self, message: str) -> ModelValidationError:
         """An error whose message starts with the file and its arch."""
@@ -84,7 +86,15 @@ class Weights:
 
     def _kernel_weight(self, info: TensorInfo, n: int, k: int, act_bits: int = 8) -> mm.Weight:
         if info.is_blocks:
-            return mm.Weight(info.block_type.name, n, k, self.base.payload(info.name), act_bits=act_bits)
+            shared = self.packed.get(info.name)
+            if shared is not None:
+                return mm.Weight(info.block_type.name, n, k, shared.data, act_bits=act_bits, packed=True)
+            # A packed weight keeps a copy: the file's pages it has copied would only add to the process's memory.
+            weight = mm.Weight(info.block_type.name, n, k, self.base.payload(info.name), act_bits=act_bits,
+                               release=lambda start, stop: self.base.release(info.name, start, stop))
+            if weight.packed:
+                self.packed[info.name] = weight
+            return weight
         if info.is_quantized:
             return mm.Weight(info.dtype, n, k, self.base.packed(info.name), self.base.scales(info.name),
                              self.base.biases(info.name), info.group_size, info.scale_dtype or "f16",

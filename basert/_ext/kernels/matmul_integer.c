@@ -4,7 +4,8 @@
  * SIMD variants, one to four activation rows (decode, a few sequences, short verifications), eight weight rows at a
  * time. base_q4, Q4_K, Q5_K and Q6_K (bt_*): the eight rows' code bytes transposed by four-byte units, so that each
  * maddubs against broadcast activation bytes leaves row r's sums in lane r, with no fold; 16-bit activations as two
- * planes of bytes. The other weights: each row's 32 integers of a block are split into two vectors of 16-bit lanes,
+ * planes of bytes. The K-quants are stored so transposed (matmul.h's packed rows, basert_pack_rows): the other
+ * kernels copy a packed super-block back to the file's layout first (bq_super_blocks). The other weights: each row's 32 integers of a block are split into two vectors of 16-bit lanes,
  * the even-numbered values and the odd-numbered ones (the order of the activation records), which meet the activation
  * block in two madds (Q3_K's scales multiplied in first); the eight rows' partial sums are folded into one vector of
  * eight exact block sums (lane r: weight row r), and the float operations run on those eight rows at once; the
@@ -112,6 +113,24 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
 #endif
         }
     }
+}
+
+/* ---- packed rows (matmul.h) ---- */
+
+void basert_pack_rows(const basert_weight *w, const uint8_t *src, uint8_t *dst, ptrdiff_t r0, ptrdiff_t r1) {
+    const ptrdiff_t bytes = basert_block_bytes(w->ggml_type), units = bytes / 16 * 16, tail = bytes - units;
+    const ptrdiff_t rb = w->row_bytes, grouped = r1 / 8 * 8;
+    for (ptrdiff_t g = r0; g < grouped; g += 8) {
+        for (ptrdiff_t at = 0; at < rb; at += bytes) {
+            uint8_t *out = dst + g * rb + 8 * at;
+            for (int r = 0; r < 8; r++) {
+                const uint8_t *in = src + (g + r) * rb + at;
+                for (ptrdiff_t j = 0; j < units; j += 4) memcpy(out + basert_packed_at(bytes, r, j), in + j, 4);
+                memcpy(out + basert_packed_at(bytes, r, units), in + units, (size_t)tail);
+            }
+        }
+    }
+    memcpy(dst + grouped * rb, src + grouped * rb, (size_t)((r1 - grouped) * rb));
 }
 
 /* ---- the kernels ---- */
@@ -399,6 +418,54 @@ BASERT_ALWAYS_INLINE void bq_row_pointers(const basert_weight *w, ptrdiff_t row,
     }
 }
 
+/* The 4 x 4 transpose of 32-bit units within each 128-bit half: unit u of v[i] becomes unit i of out[u]. It is its
+ * own inverse. */
+BASERT_ALWAYS_INLINE void bt_transpose4(const __m256i *v, __m256i *out) {
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    out[0] = _mm256_unpacklo_epi64(t0, t2);
+    out[1] = _mm256_unpackhi_epi64(t0, t2);
+    out[2] = _mm256_unpacklo_epi64(t1, t3);
+    out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* Bytes off .. off + 16 (off a multiple of 16) of the eight rows of a packed super-block g (matmul.h) as four
+ * vectors: lane r of out[u] holds bytes off + 4u .. + 4 of row r. */
+BASERT_ALWAYS_INLINE void bt_packed_units(const uint8_t *g, ptrdiff_t off, __m256i *out) {
+    #pragma GCC unroll 4
+    for (int u = 0; u < 4; u++) out[u] = _mm256_loadu_si256((const __m256i *)(const void *)(g + 8 * off + 32 * u));
+}
+
+/* Whether weight rows row .. row + 8 are one packed group of w, in place. */
+static inline int bq_packed_group(const basert_weight *w, ptrdiff_t row) {
+    return w->packed && row % 8 == 0 && row < w->n / 8 * 8;
+}
+
+/* Super-block sb of weight rows rows[r] (bq_row_pointers) as the file stores them: q[r] in place, or copied out of
+ * the weight's packed layout into tmp[r] (a packed group's eight rows at once: bt_transpose4 undoes the packing). */
+BASERT_ALWAYS_INLINE void bq_super_blocks(const basert_weight *w, const ptrdiff_t *rows, ptrdiff_t sb,
+                                          uint8_t (*tmp)[BASERT_MAX_BLOCK_BYTES], const uint8_t **q) {
+    if (!bq_packed_group(w, rows[0])) {
+        for (int r = 0; r < BQ_ROWS; r++) q[r] = basert_weight_block(w, rows[r], sb, tmp[r]);
+        return;
+    }
+    const ptrdiff_t bytes = basert_block_bytes(w->ggml_type), units = bytes / 16 * 16, tail = bytes - units;
+    const uint8_t *g = w->data + rows[0] * w->row_bytes + 8 * sb * bytes;
+    for (ptrdiff_t off = 0; off < units; off += 16) {
+        __m256i u[4], v[4];
+        bt_packed_units(g, off, u);
+        bt_transpose4(u, v);
+        for (int r = 0; r < 4; r++) {
+            _mm_storeu_si128((__m128i *)(void *)(tmp[r] + off), _mm256_castsi256_si128(v[r]));
+            _mm_storeu_si128((__m128i *)(void *)(tmp[r + 4] + off), _mm256_extracti128_si256(v[r], 1));
+        }
+    }
+    for (int r = 0; r < BQ_ROWS; r++) {
+        memcpy(tmp[r] + units, g + 8 * units + tail * r, (size_t)tail);
+        q[r] = tmp[r];
+    }
+}
+
 /* The A and B of groups g0 .. g0 + gn (at most 8) of eight weight rows: scale[j][r], bias[j][r]. */
 BASERT_ALWAYS_INLINE void bq_scale_run(const int kind, const int type, const int has_bias, const basert_weight *w,
                                        const ptrdiff_t *rows, const uint8_t *const *p, ptrdiff_t groups, ptrdiff_t g0,
@@ -570,21 +637,25 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
     /* Eight groups' scales at a time (a super-block's sub-blocks for the 256-value types), then their blocks. */
     for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
         const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
-        bq_scale_run(kind, type, has_bias, w, rows, p, groups, g0, gn, scale, bias);
         if (gguf && basert_block_values(type) == 256) {
             /* A super-block's eight sub-blocks written out: their offsets and shifts are constants. Its bytes of the
              * next eight rows prefetched a cache line at a time. */
             const ptrdiff_t bytes = basert_block_bytes(type), at = (g0 >> 3) * bytes;
+            uint8_t tmp[BQ_ROWS][BASERT_MAX_BLOCK_BYTES];
+            const uint8_t *blk[BQ_ROWS];
+            bq_super_blocks(w, rows, g0 >> 3, tmp, blk);
+            bq_gguf_run(type, blk, 0, 8, scale, bias);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 const ptrdiff_t line = j == 7 ? bytes - 1 : 32 * j;
                 if ((j & 1) == 0 || j == 7)
                     if (line < bytes)
                         for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + at + line);
-                bq_cols(C, eight, kind, type, has_bias, offset, p, at, j, g0 + j, q, d, s, scale[j], bias[j], acc);
+                bq_cols(C, eight, kind, type, has_bias, offset, blk, 0, j, g0 + j, q, d, s, scale[j], bias[j], acc);
             }
             continue;
         }
+        bq_scale_run(kind, type, has_bias, w, rows, p, groups, g0, gn, scale, bias);
         for (ptrdiff_t j = 0; j < gn; j++) {
             for (ptrdiff_t i = 0; i < per_group; i++) {
                 const ptrdiff_t b = (g0 + j) * per_group + i;
@@ -624,12 +695,7 @@ BASERT_ALWAYS_INLINE void bt_units(const uint8_t *const *p, ptrdiff_t off, __m25
         v[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(p[r] + off))),
                                        _mm_loadu_si128((const __m128i *)(const void *)(p[r + 4] + off)), 1);
     /* v[r]: units 0-3 of row r in the low half, of row r + 4 in the high half. */
-    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
-    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
-    out[0] = _mm256_unpacklo_epi64(t0, t2);
-    out[1] = _mm256_unpackhi_epi64(t0, t2);
-    out[2] = _mm256_unpacklo_epi64(t1, t3);
-    out[3] = _mm256_unpackhi_epi64(t1, t3);
+    bt_transpose4(v, out);
 }
 
 /* Four activation codes (bytes) in every 32-bit lane. */
@@ -688,13 +754,12 @@ BASERT_ALWAYS_INLINE __m256i bt_join(const int C, const int P, const __m256i *t,
     return P == 1 ? t[c] : _mm256_add_epi32(_mm256_slli_epi32(t[C + c], 7), t[c]);
 }
 
-/* Q4_K / Q5_K: the super-block headers of eight rows at offset `at` (d, dmin and the 12 bytes of six-bit scales and
+/* Q4_K / Q5_K: the headers of the eight rows of a packed super-block g (d, dmin and the 12 bytes of six-bit scales and
  * minimums, bq_k_scales_mins' unpacking done lane by lane): d and -dmin as floats, and in lane r of sc[0] / sc[1] the
  * scales of sub-blocks 0-3 / 4-7 of row r as bytes, of mn[] its minimums. */
-BASERT_ALWAYS_INLINE void bt_k_headers(const uint8_t *const *p, ptrdiff_t at, __m256 *d, __m256 *neg_dmin, __m256i *sc,
-                                       __m256i *mn) {
+BASERT_ALWAYS_INLINE void bt_k_headers(const uint8_t *g, __m256 *d, __m256 *neg_dmin, __m256i *sc, __m256i *mn) {
     __m256i u[4];
-    bt_units(p, at, u);
+    bt_packed_units(g, 0, u);
     const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f), two = _mm256_set1_epi32(0x03030303);
     sc[0] = _mm256_and_si256(u[1], low6);
     sc[1] = _mm256_or_si256(_mm256_and_si256(u[3], low4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u[1], 6), two), 4));
@@ -714,18 +779,17 @@ BASERT_ALWAYS_INLINE __m256 bt_byte_f32(__m256i v, int j) {
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * (j & 3)), _mm256_set1_epi32(255)));
 }
 
-/* acc[c] + t for the four sub-block pairs of Q4_K / Q5_K super-block sb of eight rows p[r] (at: its offset in a row)
+/* acc[c] + t for the four sub-block pairs of Q4_K / Q5_K super-block sb of eight rows, packed at g (matmul.h),
  * against C activation rows of P planes (a8, bt_activations), A = d * scale and B = -(dmin * min) of each sub-block
  * as bq_gguf_run gives them. A sub-block's 16-bit sums take eight units (Q4_K: at most 8 * 2 * 15 * 128) or four
  * (Q5_K: 4 * 2 * 31 * 128) before madd widens them. */
-BASERT_ALWAYS_INLINE void bt_q4_k(const int C, const int P, const int type, const uint8_t *const *p, ptrdiff_t at,
-                                  ptrdiff_t sb, const int8_t *a8, ptrdiff_t k, const float *const *d, const float *const *s,
-                                  __m256 *acc) {
+BASERT_ALWAYS_INLINE void bt_q4_k(const int C, const int P, const int type, const uint8_t *g, ptrdiff_t sb,
+                                  const int8_t *a8, ptrdiff_t k, const float *const *d, const float *const *s, __m256 *acc) {
     const int five = type == BASERT_GGML_Q5_K, rows = C * P;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 dv, neg_dmin;
     __m256i sc[2], mn[2];
-    bt_k_headers(p, at, &dv, &neg_dmin, sc, mn);
+    bt_k_headers(g, &dv, &neg_dmin, sc, mn);
     #pragma GCC unroll 4
     for (int pair = 0; pair < 4; pair++) {
         __m256i total[2][BT_ROWS], part[2][BT_ROWS];
@@ -734,8 +798,8 @@ BASERT_ALWAYS_INLINE void bt_q4_k(const int C, const int P, const int type, cons
         #pragma GCC unroll 2
         for (int hc = 0; hc < 2; hc++) {
             __m256i units[4], high[4];
-            bt_units(p, at + (five ? 48 : 16) + 32 * pair + 16 * hc, units);
-            if (five) bt_units(p, at + 16 + 16 * hc, high);
+            bt_packed_units(g, (five ? 48 : 16) + 32 * pair + 16 * hc, units);
+            if (five) bt_packed_units(g, 16 + 16 * hc, high);
             #pragma GCC unroll 2
             for (int half = 0; half < 2; half++) {
                 const int j = 2 * pair + half;
@@ -779,14 +843,22 @@ BASERT_ALWAYS_INLINE void bt_q4_k(const int C, const int P, const int type, cons
  * (t = 2, 3) joined to qh's two bits 2t; a row's 16-bit sums of two units (at most 2 * 2 * 63 * 128) widened by madd
  * with the scale of their 16 values (the sign-extended scales of each sub-block in the 16-bit halves of sp[sub]);
  * then 32 times the scales times the activation's sums of 16 (s16) taken off. */
-BASERT_ALWAYS_INLINE void bt_q6_k(const int C, const int P, const uint8_t *const *p, ptrdiff_t at, ptrdiff_t sb,
-                                  const int8_t *a8, const int32_t *s16, ptrdiff_t k, const float *const *d,
-                                  const float *const *s, __m256 sv, __m256 *acc) {
+BASERT_ALWAYS_INLINE void bt_q6_k(const int C, const int P, const uint8_t *g, ptrdiff_t sb, const int8_t *a8,
+                                  const int32_t *s16, ptrdiff_t k, const float *const *d, const float *const *s,
+                                  __m256 *acc) {
     const int rows = C * P;
-    __m256i sp[8];
-    for (int r = 0; r < BQ_ROWS; r++)
-        sp[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(p[r] + at + 192)));
-    bq_transpose8((__m256 *)(void *)sp);
+    /* The eight rows' d follow their 13 units of 16 bytes. */
+    const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(g + 8 * 208)));
+    /* Lane r of unit vector u holds row r's scales 4u .. 4u + 3 as bytes: sign-extended into 16-bit halves, the
+     * even-numbered ones of each lane (0, 2) in lo, the odd-numbered ones (1, 3) in hi. */
+    __m256i sp[8], su[4];
+    bt_packed_units(g, 192, su);
+    #pragma GCC unroll 4
+    for (int u = 0; u < 4; u++) {
+        const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(su[u], 8), 8), hi = _mm256_srai_epi16(su[u], 8);
+        sp[2 * u] = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
+        sp[2 * u + 1] = _mm256_blend_epi16(_mm256_srli_epi32(lo, 16), hi, 0xAA);
+    }
     for (int h = 0; h < 2; h++) {
         __m256i total[4][BT_ROWS];
         #pragma GCC unroll 8
@@ -794,11 +866,11 @@ BASERT_ALWAYS_INLINE void bt_q6_k(const int C, const int P, const uint8_t *const
         #pragma GCC unroll 2
         for (int hc = 0; hc < 2; hc++) {
             __m256i qh[4];
-            bt_units(p, at + 128 + 32 * h + 16 * hc, qh);
+            bt_packed_units(g, 128 + 32 * h + 16 * hc, qh);
             #pragma GCC unroll 2
             for (int src = 0; src < 2; src++) {
                 __m256i ql[4];
-                bt_units(p, at + 64 * h + 32 * src + 16 * hc, ql);
+                bt_packed_units(g, 64 * h + 32 * src + 16 * hc, ql);
                 #pragma GCC unroll 2
                 for (int nib = 0; nib < 2; nib++) {
                     const int t = src + 2 * nib, sub = 4 * h + t;
@@ -884,12 +956,28 @@ BASERT_ALWAYS_INLINE void bt_base_q4(const int C, const int P, const int sym, co
     }
 }
 
+/* Super-block sb of weight rows rows[r] (bq_row_pointers) packed into buf (matmul.h's layout), whichever way w
+ * stores them: the last n % 8 rows of a packed weight, rows of a weight too small to be packed, or eight rows that are
+ * not one packed group (copied out of it first). */
+BASERT_ALWAYS_INLINE void bt_pack_super_block(const basert_weight *w, const ptrdiff_t *rows, ptrdiff_t sb, uint8_t *buf) {
+    const ptrdiff_t bytes = basert_block_bytes(w->ggml_type), units = bytes / 16 * 16, tail = bytes - units;
+    uint8_t stored[BQ_ROWS][BASERT_MAX_BLOCK_BYTES];
+    const uint8_t *q[BQ_ROWS];
+    for (int r = 0; r < BQ_ROWS; r++) q[r] = basert_weight_block(w, rows[r], sb, stored[r]);
+    for (ptrdiff_t off = 0; off < units; off += 16) {
+        __m256i u[4];
+        bt_units(q, off, u);
+        for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(void *)(buf + 8 * off + 32 * i), u[i]);
+    }
+    for (int r = 0; r < BQ_ROWS; r++) memcpy(buf + 8 * units + tail * r, q[r] + units, (size_t)tail);
+}
+
 /* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C activation rows: their records at qx + c * rb,
  * their P planes of bytes a8 and sums s16 (bt_activations). */
 BASERT_ALWAYS_INLINE void bt_block(const int C, const int P, const int kind, const int type, const int sym,
                                    const basert_weight *w, ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb,
                                    const int8_t *a8, const int32_t *s16, float *y, ptrdiff_t ldy) {
-    const ptrdiff_t k = w->k, ahead = BQ_ROWS * w->row_bytes;
+    const ptrdiff_t k = w->k;
     const uint8_t *p[BQ_ROWS];
     ptrdiff_t rows[BQ_ROWS];
     bq_row_pointers(w, row, R, rows, p);
@@ -903,18 +991,20 @@ BASERT_ALWAYS_INLINE void bt_block(const int C, const int P, const int kind, con
         return;
     }
     const ptrdiff_t bytes = basert_block_bytes(type);
+    const int in_place = bq_packed_group(w, row);
+    uint8_t buf[BQ_ROWS * BASERT_MAX_BLOCK_BYTES];
     for (ptrdiff_t sb = 0; sb < k / 256; sb++) {
-        const ptrdiff_t at = sb * bytes;
-        /* The super-block of the next eight rows, a cache line at a time. */
-        for (ptrdiff_t line = 0; line < bytes; line += 64)
-            for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + at + line);
-        if (type == BASERT_GGML_Q6_K) {
-            float dq[BQ_ROWS];
-            for (int r = 0; r < BQ_ROWS; r++) dq[r] = bq_f16(p[r] + at + 208);
-            bt_q6_k(C, P, p, at, sb, a8, s16, k, d, s, _mm256_loadu_ps(dq), acc);
+        const uint8_t *g = buf;
+        if (in_place) {
+            /* The group's super-blocks one after the other, the next group's after them: one stream, a cache line of
+             * the next group's super-block sb prefetched at a time. */
+            g = p[0] + 8 * sb * bytes;
+            for (ptrdiff_t line = 0; line < 8 * bytes; line += 64) __builtin_prefetch(g + BQ_ROWS * w->row_bytes + line);
         } else {
-            bt_q4_k(C, P, type, p, at, sb, a8, k, d, s, acc);
+            bt_pack_super_block(w, rows, sb, buf);
         }
+        if (type == BASERT_GGML_Q6_K) bt_q6_k(C, P, g, sb, a8, s16, k, d, s, acc);
+        else bt_q4_k(C, P, type, g, sb, a8, k, d, s, acc);
     }
     bq_store(C, R, acc, y + row, ldy);
 }
@@ -1075,22 +1165,23 @@ BASERT_ALWAYS_INLINE void bz_codes(const int C, const int16_t *const *q, ptrdiff
     }
 }
 
-/* acc[c] + t of blocks b and b + 1 (b even) of eight weight rows p[r] against the activation codes q[c] of C records
- * (c < C): the rows' scales and biases sv0, bv0 and sv1, bv1. Each pair of weight rows meets the C records as soon as it
- * is unpacked, and the rows' lanes are folded as they come, so that few vectors are live at once. */
+/* acc[c] + t of blocks b and b + 1 (b even) of eight weight rows against the activation codes q[c] of C records
+ * (c < C): the rows' blocks wb, wb + 1 of p[r] (wb = b, or b's index in the super-block p[r] points to), their scales
+ * and biases sv0, bv0 and sv1, bv1. Each pair of weight rows meets the C records as soon as it is unpacked, and the
+ * rows' lanes are folded as they come, so that few vectors are live at once. */
 BASERT_ALWAYS_INLINE void bz_pair(const int C, const int kind, const int type, const int has_bias, const int offset,
-                                  const uint8_t *const *p, const int16_t *const *q, const float *const *d,
+                                  const uint8_t *const *p, ptrdiff_t wb, const int16_t *const *q, const float *const *d,
                                   const float *const *s, ptrdiff_t b, __m256 sv0, __m256 bv0, __m256 sv1, __m256 bv1,
                                   __m256 *acc) {
     __m512i ae[BQ_COLS], ao[BQ_COLS], half[BQ_COLS][2], t0[BQ_COLS], t1[BQ_COLS];
     bz_codes(C, q, b, ae, ao);
     for (int h = 0; h < 2; h++) {
         __m512i e0, o0, e1, o1;
-        bz_weights(kind, type, p[4 * h], b, &e0, &o0);
-        bz_weights(kind, type, p[4 * h + 1], b, &e1, &o1);
+        bz_weights(kind, type, p[4 * h], wb, &e0, &o0);
+        bz_weights(kind, type, p[4 * h + 1], wb, &e1, &o1);
         bz_madd_pair(C, ae, ao, e0, o0, e1, o1, t0);
-        bz_weights(kind, type, p[4 * h + 2], b, &e0, &o0);
-        bz_weights(kind, type, p[4 * h + 3], b, &e1, &o1);
+        bz_weights(kind, type, p[4 * h + 2], wb, &e0, &o0);
+        bz_weights(kind, type, p[4 * h + 3], wb, &e1, &o1);
         bz_madd_pair(C, ae, ao, e0, o0, e1, o1, t1);
         for (int c = 0; c < C; c++) half[c][h] = bz_fold4(t0[c], t1[c]);
     }
@@ -1122,15 +1213,19 @@ BASERT_ALWAYS_INLINE void bz_block(const int C, const int kind, const int type, 
         /* A super-block at a time: its eight sub-blocks' A and B, then its four pairs, the next eight rows' bytes of it
          * prefetched a cache line per pair. */
         const ptrdiff_t bytes = basert_block_bytes(type);
+        uint8_t tmp[BQ_ROWS][BASERT_MAX_BLOCK_BYTES];
+        const uint8_t *blk[BQ_ROWS];
         for (ptrdiff_t g = 0; g < groups; g++) {
-            bq_scale_run(kind, type, has_bias, w, rows, p, blocks, 8 * g, 8, scale, bias);
+            bq_super_blocks(w, rows, g, tmp, blk);
+            bq_gguf_run(type, blk, 0, 8, scale, bias);
 #pragma GCC unroll 4
             for (int j = 0; j < 8; j += 2) {
                 for (int r = 0; r < BQ_ROWS; r++) {
                     if (32 * j < bytes) __builtin_prefetch(p[r] + ahead + g * bytes + 32 * j);
                     if (j == 6) __builtin_prefetch(p[r] + ahead + g * bytes + bytes - 1);
                 }
-                bz_pair(C, kind, type, has_bias, offset, p, q, d, s, 8 * g + j, scale[j], bias[j], scale[j + 1], bias[j + 1], acc);
+                bz_pair(C, kind, type, has_bias, offset, blk, j, q, d, s, 8 * g + j, scale[j], bias[j], scale[j + 1],
+                        bias[j + 1], acc);
             }
         }
     } else {
@@ -1144,7 +1239,7 @@ BASERT_ALWAYS_INLINE void bz_block(const int C, const int kind, const int type, 
                 if ((b * pair_bytes / 2) % 64 == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * pair_bytes / 2);
                 const ptrdiff_t j0 = b / per_group - g0, j1 = (b + 1) / per_group - g0;
-                bz_pair(C, kind, type, has_bias, offset, p, q, d, s, b, scale[j0], bias[j0], scale[j1], bias[j1], acc);
+                bz_pair(C, kind, type, has_bias, offset, p, b, q, d, s, b, scale[j0], bias[j0], scale[j1], bias[j1], acc);
             }
             if (b < end) bq_cols(C, 0, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[gn - 1], bias[gn - 1], acc);
         }
@@ -1201,19 +1296,31 @@ BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sy
     ptrdiff_t rows[BQ_ROWS];
     bq_row_pointers(w, row, R, rows, p);
     const __m256i off = _mm256_set1_epi16((short)offset);
+    const int super = gguf && basert_block_values(type) == 256, packed = super && bq_packed_group(w, row);
     __m256 scale[8], bias[8];
+    uint8_t tmp[BQ_ROWS][BASERT_MAX_BLOCK_BYTES];
+    const uint8_t *blk[BQ_ROWS];
     for (ptrdiff_t g0 = b0 / per_group; g0 < b1 / per_group; g0 += 8) {
         const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
-        bq_scale_run(kind, type, has_bias, w, rows, p, groups, g0, gn, scale, bias);
+        /* A 256-value type's super-block g0 / 8 as the file stores it (copied out of a packed group): blk, whose
+         * blocks count from g0. */
+        if (super) bq_super_blocks(w, rows, g0 >> 3, tmp, blk);
+        const uint8_t *const *src = super ? blk : p;
+        const ptrdiff_t first = super ? g0 : 0;
+        /* A packed group's next group, its super-block g0 / 8 at once (one stream); else each row's next bytes. */
+        if (packed)
+            for (ptrdiff_t line = 0; line < 8 * basert_block_bytes(type); line += 64)
+                __builtin_prefetch(p[0] + ahead + 8 * (g0 >> 3) * basert_block_bytes(type) + line);
+        bq_scale_run(kind, type, has_bias, w, rows, src, groups, g0 - first, gn, scale, bias);
         for (ptrdiff_t j = 0; j < gn; j++) {
             for (ptrdiff_t i = 0; i < per_group; i++) {
                 const ptrdiff_t b = (g0 + j) * per_group + i;
-                if ((b & (prefetch_every - 1)) == 0)
+                if (!packed && (b & (prefetch_every - 1)) == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
                 __m256 e[BQ_ROWS], o[BQ_ROWS];
                 for (int r = 0; r < BQ_ROWS; r++) {
                     __m256i even, odd;
-                    bq_weights(kind, type, p[r], b, &even, &odd);
+                    bq_weights(kind, type, src[r], b - first, &even, &odd);
                     if (offset) {
                         even = _mm256_sub_epi16(even, off);
                         odd = _mm256_sub_epi16(odd, off);
