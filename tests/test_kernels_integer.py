@@ -15,7 +15,7 @@ from gguf_files import random_blocks
 
 from basert._ext import VARIANT
 from basert._ext import matmul as mm
-from basert.format.quant import QuantizedTensor, quantize, scale_values, unpack_q4
+from basert.format.quant import QuantizedTensor, dequantize, quantize, scale_values, unpack_q4
 
 KINDS = [(kind, group, symmetric, scale_dtype)
          for kind in ("base_q4", "base_q8")
@@ -266,65 +266,75 @@ def test_gguf_blocks_on_the_integer_path_match_the_reference_bit_for_bit(kind: s
             assert same_bits(run(x[:m], weight), want[:m]), f"K={k} M={m}"
 
 
-# ---- packed rows (matmul.h): K-quant weights on the integer path of the SIMD variants, eight rows interleaved ----
+# ---- packed rows (matmul.h): base_q4 and K-quant weights on the integer path of the SIMD variants, eight rows
+# interleaved ----
 
-PACKED_KINDS = ("Q4_K", "Q5_K", "Q6_K")
+PACKED_KINDS = ("base_q4", "Q4_K", "Q5_K", "Q6_K")
 PACKS = VARIANT != "portable"
 
 
-def packed_layout(raw: np.ndarray, kind: str) -> np.ndarray:
-    """matmul.h's packed layout of rows raw [N, row bytes], written with numpy: per group of eight rows and
-    super-block, unit vector u of offset o holds bytes 16o + 4u .. + 4 of row r at 128o + 32u + 4r; the bytes past the
-    last whole 16 follow row by row; the N % 8 last rows as they are."""
+def packed_layout(raw: np.ndarray, chunk: int) -> np.ndarray:
+    """matmul.h's packed layout of rows raw [N, row bytes] in chunks of `chunk` bytes (a super-block; a base_q4 row),
+    written with numpy: per group of eight rows and chunk, unit vector u of offset o holds bytes 16o + 4u .. + 4 of row
+    r at 128o + 32u + 4r; the bytes past the last whole 16 follow row by row; the N % 8 last rows as they are."""
     n, row_bytes = raw.shape
-    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
-    units, groups, per_row = size // 16 * 16, n // 8, row_bytes // size
-    blocks = raw[:8 * groups].reshape(groups, 8, per_row, size)
-    head = blocks[..., :units].reshape(groups, 8, per_row, units // 16, 4, 4).transpose(0, 2, 3, 4, 1, 5)
-    tail = blocks[..., units:].transpose(0, 2, 1, 3)
+    units, groups, per_row = chunk // 16 * 16, n // 8, row_bytes // chunk
+    chunks = raw[:8 * groups].reshape(groups, 8, per_row, chunk)
+    head = chunks[..., :units].reshape(groups, 8, per_row, units // 16, 4, 4).transpose(0, 2, 3, 4, 1, 5)
+    tail = chunks[..., units:].transpose(0, 2, 1, 3)
     packed = np.concatenate([head.reshape(groups, per_row, -1), tail.reshape(groups, per_row, -1)], axis=2)
     return np.concatenate([packed.reshape(-1), raw[8 * groups:].reshape(-1)])
 
 
+def packable(kind: str, n: int, k: int, seed: int, **options) -> tuple[mm.Weight, np.ndarray, tuple, np.ndarray]:
+    """A weight of `kind`, its file's rows [N, row bytes], its integers (base_ints / gguf_ints) and its values."""
+    if kind == "base_q4":
+        weight, q, values = make((kind, 32, False, "f16"), n, k, seed)
+        raw = np.asarray(q.packed).reshape(n, -1)
+        weight = mm.Weight(kind, n, k, q.packed, q.scales, q.biases, 32, exact=False, **options)
+        return weight, raw, base_ints(q), dequantize(q)
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = random_blocks(np.random.default_rng(seed), qtype, n, k)
+    weight = mm.Weight(kind, n, k, raw.reshape(-1), exact=False, **options)
+    return weight, raw, gguf_ints(kind, raw, k), gguf.quants.dequantize(raw, qtype).reshape(n, k)
+
+
 @pytest.mark.parametrize("kind", PACKED_KINDS)
-def test_k_quants_are_packed_once_where_the_byte_kernels_read_them(kind: str) -> None:
-    rng = np.random.default_rng(3)
+def test_weights_are_packed_once_where_the_byte_kernels_read_them(kind: str) -> None:
     for n in (8, 21, 40):
-        raw = random_blocks(rng, gguf.GGMLQuantizationType[kind], n, 768)
         released: list[tuple[int, int]] = []
-        weight = mm.Weight(kind, n, 768, raw.reshape(-1), exact=False,
-                           release=lambda start, stop, into=released: into.append((start, stop)))
+        weight, raw, _, _ = packable(kind, n, 768, seed=n,
+                                     release=lambda start, stop, into=released: into.append((start, stop)))
         assert weight.packed == PACKS
         if PACKS:
-            assert np.array_equal(np.asarray(weight.data), packed_layout(raw, kind))
-            assert not np.shares_memory(weight.data, raw)
+            chunk = raw.shape[1] if kind == "base_q4" else gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
+            assert np.array_equal(np.asarray(weight.data), packed_layout(raw, chunk))
             # The copied bytes handed back in order, every one of them once.
             ends = [0] + [stop for _, stop in released]
             assert [start for start, _ in released] == ends[:-1] and ends[-1] == raw.size
         else:
             assert released == [] and np.shares_memory(weight.data, raw)
-    # The weights that read the file's layout: too few rows, the exact path, the other block types.
-    few = random_blocks(rng, gguf.GGMLQuantizationType[kind], 7, 256)
-    assert not mm.Weight(kind, 7, 256, few.reshape(-1), exact=False).packed
-    assert not mm.Weight(kind, 8, 256, random_blocks(rng, gguf.GGMLQuantizationType[kind], 8, 256).reshape(-1),
-                         exact=True).packed
-    assert not mm.Weight("Q3_K", 8, 256, random_blocks(rng, gguf.GGMLQuantizationType.Q3_K, 8, 256).reshape(-1),
-                         exact=False).packed
+    # The weights that read the file's layout: too few rows, the exact path.
+    few, raw, _, _ = packable(kind, 7, 256, seed=1)
+    assert not few.packed and not packable(kind, 8, 256, seed=1)[0].rows(0, 4).packed
+    if kind != "base_q4":
+        assert not mm.Weight(kind, 8, 256, random_blocks(np.random.default_rng(2), gguf.GGMLQuantizationType[kind], 8,
+                                                         256).reshape(-1), exact=True).packed
     if PACKS:
         with pytest.raises(ValueError, match="not stored packed"):
-            mm.Weight(kind, 7, 256, few.reshape(-1), exact=False, packed=True)
+            packable(kind, 7, 256, seed=1, packed=True)
+    assert not mm.Weight("Q3_K", 8, 256, random_blocks(np.random.default_rng(3), gguf.GGMLQuantizationType.Q3_K, 8,
+                                                       256).reshape(-1), exact=False).packed
 
 
 @pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_packed_weights_read_as_the_file_stores_them(kind: str) -> None:
     """Rows of a packed weight, whole groups or cut anywhere (rows(): experts), and its embedding rows, give the bits of
     the file's rows."""
-    rng = np.random.default_rng(4)
     n, k = 40, 768
-    raw = random_blocks(rng, gguf.GGMLQuantizationType[kind], n, k)
-    weight = mm.Weight(kind, n, k, raw.reshape(-1), exact=False)
+    weight, _, ints, values = packable(kind, n, k, seed=4)
     x = activations(9, k, seed=8)
-    want = integer_reference(x, *gguf_ints(kind, raw, k), bits=8)
+    want = integer_reference(x, *ints, bits=8)
     for start, stop in ((0, 8), (8, 24), (3, 11), (8, 21), (5, 40), (32, 40), (16, 40), (36, 40)):
         part = weight.rows(start, stop)
         # Whole groups keep the packed bytes; rows cut out of a group are copied back to the file's layout first.
@@ -335,7 +345,7 @@ def test_packed_weights_read_as_the_file_stores_them(kind: str) -> None:
     ids = np.array([0, 7, 8, 39, 21, 8], dtype=np.int32)
     out = np.zeros((ids.size, k), dtype=np.float32)
     mm.embed_rows(weight, ids, out)
-    assert np.array_equal(out, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(n, k)[ids])
+    assert np.array_equal(out, values[ids])
 
 
 def test_the_largest_block_sums_fit_in_32_bits() -> None:

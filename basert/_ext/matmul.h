@@ -122,45 +122,61 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
 
 /* ---- packed rows: eight weight rows side by side, as the byte kernels read them ----
  *
- * A Q4_K, Q5_K or Q6_K weight on the integer path of a SIMD variant is stored packed when the Weight is built (its
- * file's bytes copied once, basert_pack_rows): rows 8g .. 8g + 8 for g < n / 8 form group g, which takes the bytes
- * rows 8g .. 8g + 8 would take (from data + 8g * row_bytes) and holds their super-blocks sb one after the other
- * (8 * bytes each, bytes = basert_block_bytes). In a group's super-block, the 16 bytes at offset 16o (o < bytes / 16)
- * of the eight rows take the 128 bytes from 128o as four vectors of 32: vector u holds bytes 16o + 4u .. + 4 of row r
- * at 32u + 4r. The bytes / 16 * 16 .. bytes of each row (Q6_K's d) follow, row after row. The n % 8 last rows stay as
- * stored. So one thread's rows are one sequential stream, and the byte kernels read the transposed units of eight rows
- * with four loads. The portable variant's plain loops, and the exact path, read the file's layout. */
+ * A base_q4, Q4_K, Q5_K or Q6_K weight on the integer path of a SIMD variant is stored packed when the Weight is built
+ * (its file's bytes copied once, basert_pack_rows): rows 8g .. 8g + 8 for g < n / 8 form group g, which takes the
+ * bytes rows 8g .. 8g + 8 would take (from data + 8g * row_bytes) and holds their chunks c one after the other (8 *
+ * bytes each; a chunk: a GGUF super-block, bytes = basert_block_bytes, or a base_q4 row's codes, bytes = row_bytes:
+ * basert_packed_chunk). In a group's chunk, the 16 bytes at offset 16o (o < bytes / 16) of the eight rows take the
+ * 128 bytes from 128o as four vectors of 32: vector u holds bytes 16o + 4u .. + 4 of row r at 32u + 4r. The bytes /
+ * 16 * 16 .. bytes of each row (Q6_K's d) follow, row after row. The n % 8 last rows stay as stored. So one thread's
+ * rows are one sequential stream, and the byte kernels read the transposed units of eight rows with four loads. The
+ * portable variant's plain loops, and the exact path, read the file's layout. */
 
-/* Whether a weight is stored packed: integer Q4_K / Q5_K / Q6_K with eight rows at least, in the SIMD variants. */
+/* Whether a weight is stored packed: integer base_q4 (groups of up to 128 values), Q4_K, Q5_K or Q6_K with eight rows
+ * at least, in the SIMD variants. */
 static inline int basert_packs(const basert_weight *w) {
 #if defined(BASERT_SIMD)
-    return w->integer && w->n >= 8 && w->kind == BASERT_BLOCKS &&
-           (w->ggml_type == BASERT_GGML_Q4_K || w->ggml_type == BASERT_GGML_Q5_K || w->ggml_type == BASERT_GGML_Q6_K);
+    return w->integer && w->n >= 8 &&
+           ((w->kind == BASERT_Q4 && w->group_size <= 128) || (w->kind == BASERT_BLOCKS && (w->ggml_type == BASERT_GGML_Q4_K ||
+                                                                  w->ggml_type == BASERT_GGML_Q5_K ||
+                                                                  w->ggml_type == BASERT_GGML_Q6_K)));
 #else
     (void)w;
     return 0;
 #endif
 }
 
-/* The largest super-block (Q6_K's 210 bytes). */
+/* The bytes of a packed weight's chunk: a GGUF super-block's, or a base_q4 row's. */
+static inline ptrdiff_t basert_packed_chunk(const basert_weight *w) {
+    return w->kind == BASERT_BLOCKS ? basert_block_bytes(w->ggml_type) : w->row_bytes;
+}
+
+/* The largest GGUF super-block (Q6_K's 210 bytes). */
 #define BASERT_MAX_BLOCK_BYTES 256
 
-/* Where byte j of a row's super-block lies in its packed group's super-block, for row r (0..7) of the group. */
+/* Where byte j of a row's chunk of `bytes` lies in its packed group's chunk, for row r (0..7) of the group. */
 static inline ptrdiff_t basert_packed_at(ptrdiff_t bytes, int r, ptrdiff_t j) {
     const ptrdiff_t units = bytes / 16 * 16;
     if (j < units) return 8 * (j & ~(ptrdiff_t)15) + 32 * ((j >> 2) & 3) + 4 * r + (j & 3);
     return 8 * units + (bytes - units) * r + (j - units);
 }
 
-/* Super-block sb of weight row `row` as the file stores it: in place, or copied out of its packed group into buf
- * (BASERT_MAX_BLOCK_BYTES). Blocks of 32 values (Q5_0, Q5_1) are never packed: block sb in place. */
+/* Bytes off .. off + len of weight row `row` as the file stores them: in place, or copied out of its packed group into
+ * buf (len bytes). */
+static inline const uint8_t *basert_weight_bytes(const basert_weight *w, ptrdiff_t row, ptrdiff_t off, ptrdiff_t len,
+                                                 uint8_t *buf) {
+    if (!w->packed || row >= w->n / 8 * 8) return w->data + row * w->row_bytes + off;
+    const ptrdiff_t chunk = basert_packed_chunk(w);
+    const uint8_t *group = w->data + (row & ~(ptrdiff_t)7) * w->row_bytes;
+    const int r = (int)(row & 7);
+    for (ptrdiff_t j = off; j < off + len; j++) buf[j - off] = group[8 * (j - j % chunk) + basert_packed_at(chunk, r, j % chunk)];
+    return buf;
+}
+
+/* GGUF block (or super-block) sb of weight row `row` as the file stores it, buf holding BASERT_MAX_BLOCK_BYTES. */
 static inline const uint8_t *basert_weight_block(const basert_weight *w, ptrdiff_t row, ptrdiff_t sb, uint8_t *buf) {
     const ptrdiff_t bytes = basert_block_bytes(w->ggml_type);
-    if (!w->packed || row >= w->n / 8 * 8) return w->data + row * w->row_bytes + sb * bytes;
-    const uint8_t *group = w->data + (row & ~(ptrdiff_t)7) * w->row_bytes + 8 * sb * bytes;
-    const int r = (int)(row & 7);
-    for (ptrdiff_t j = 0; j < bytes; j++) buf[j] = group[basert_packed_at(bytes, r, j)];
-    return buf;
+    return basert_weight_bytes(w, row, sb * bytes, bytes, buf);
 }
 
 /* Rows r0 .. r1 of the weight (r0 a multiple of 8; r1 too, or n) from src, as the file stores them, into dst in the

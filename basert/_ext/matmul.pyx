@@ -38,8 +38,8 @@ cdef extern from "matmul.h" nogil:
         int act_max
         int packed
     int basert_packs(const basert_weight *w)
-    enum: BASERT_MAX_BLOCK_BYTES
-    const uint8_t *basert_weight_block(const basert_weight *w, Py_ssize_t row, Py_ssize_t sb, uint8_t *buf)
+    const uint8_t *basert_weight_bytes(const basert_weight *w, Py_ssize_t row, Py_ssize_t off, Py_ssize_t len,
+                                       uint8_t *buf)
     void basert_pack_rows(const basert_weight *w, const uint8_t *src, uint8_t *dst, Py_ssize_t r0, Py_ssize_t r1)
     enum: BASERT_ACT8
     enum: BASERT_ACT16
@@ -157,8 +157,8 @@ cdef class QuantizedRows:
 
 
 cdef class Weight:
-    """One .base weight matrix [N, K]: a read-only view of its arrays, kept alive here; a Q4_K / Q5_K / Q6_K weight on
-    the integer path of a SIMD variant copies its bytes once into the packed layout instead (matmul.h; `packed`), after
+    """One .base weight matrix [N, K]: a read-only view of its arrays, kept alive here; a base_q4, Q4_K, Q5_K or Q6_K
+    weight on the integer path of a SIMD variant copies its bytes once into the packed layout instead (matmul.h; `packed`), after
     which the caller may let the file's pages go. `packed=True` says the data already is in that layout (another packed
     weight's rows). `release(start, stop)`, where given, is called as the packing goes with each range of data's bytes
     that it has copied and no longer reads (the caller may let the file's pages go: the copy and the file are then never
@@ -291,33 +291,30 @@ cdef class Weight:
         if not 0 <= start <= stop <= self.n:
             raise ValueError(f"rows [{start}, {stop}) out of range for {self.n} rows")
         rb = self.c.row_bytes
-        data = self.data[start * rb:stop * rb]
-        if self.c.packed:
-            # Whole groups (and the rows after them, stored as they are) keep the layout; other rows are copied out.
-            if start % 8 or (stop % 8 and stop != self.n):
-                return Weight(self.kind, stop - start, self.k, self._stored_rows(start, stop), exact=self.exact,
-                              act_bits=self.act_bits)
-            return Weight(self.kind, stop - start, self.k, data, exact=self.exact, act_bits=self.act_bits,
-                          packed=stop - start >= 8)
+        # A packed weight's whole groups (and the rows after them, stored as they are) keep the layout; rows cut out of
+        # a group are copied back to the file's.
+        whole = self.c.packed and not (start % 8 or (stop % 8 and stop != self.n))
+        data = self._stored_rows(start, stop) if self.c.packed and not whole else self.data[start * rb:stop * rb]
+        same = dict(exact=self.exact, act_bits=self.act_bits, packed=whole and stop - start >= 8)
         if self.scales is None:
             return Weight(self.kind, stop - start, self.k, data, group_size=self.group_size if self.c.ggml_type else 0,
-                          exact=self.exact, act_bits=self.act_bits)
+                          **same)
         g = self.k // self.group_size
         biases = None if self.biases is None else self.biases[start * g:stop * g]
         return Weight(self.kind, stop - start, self.k, data, self.scales[start * g:stop * g], biases,
-                      self.group_size, self.scale_dtype, exact=self.exact, act_bits=self.act_bits)
+                      self.group_size, self.scale_dtype, **same)
 
     def _stored_rows(self, Py_ssize_t start, Py_ssize_t stop):
         """The bytes of rows [start, stop) as the file stores them (a new array)."""
         import numpy as np
-        cdef Py_ssize_t bytes = basert_block_bytes(self.c.ggml_type), per_row = self.c.row_bytes // bytes, row, sb
-        cdef uint8_t buf[BASERT_MAX_BLOCK_BYTES]
-        out = np.empty((stop - start) * self.c.row_bytes, dtype=np.uint8)
+        cdef Py_ssize_t rb = self.c.row_bytes, row
+        out = np.empty((stop - start) * rb, dtype=np.uint8)
         cdef uint8_t[::1] dst = out
+        cdef const uint8_t *src
         for row in range(start, stop):
-            for sb in range(per_row):
-                memcpy(&dst[(row - start) * self.c.row_bytes + sb * bytes], basert_weight_block(&self.c, row, sb, buf),
-                       bytes)
+            src = basert_weight_bytes(&self.c, row, 0, rb, &dst[(row - start) * rb])
+            if src != &dst[(row - start) * rb]:
+                memcpy(&dst[(row - start) * rb], src, rb)
         return out
 
     @property

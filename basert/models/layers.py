@@ -85,21 +85,24 @@ class Weights:
         return info
 
     def _kernel_weight(self, info: TensorInfo, n: int, k: int, act_bits: int = 8) -> mm.Weight:
+        if not (info.is_blocks or info.is_quantized):
+            return mm.Weight(info.dtype, n, k, self.base.payload(info.name))
         if info.is_blocks:
-            shared = self.packed.get(info.name)
-            if shared is not None:
-                return mm.Weight(info.block_type.name, n, k, shared.data, act_bits=act_bits, packed=True)
-            # A packed weight keeps a copy: the file's pages it has copied would only add to the process's memory.
-            weight = mm.Weight(info.block_type.name, n, k, self.base.payload(info.name), act_bits=act_bits,
-                               release=lambda start, stop: self.base.release(info.name, start, stop))
-            if weight.packed:
-                self.packed[info.name] = weight
-            return weight
-        if info.is_quantized:
-            return mm.Weight(info.dtype, n, k, self.base.packed(info.name), self.base.scales(info.name),
-                             self.base.biases(info.name), info.group_size, info.scale_dtype or "f16",
-                             act_bits=act_bits)
-        return mm.Weight(info.dtype, n, k, self.base.payload(info.name))
+            kind, data, scales = info.block_type.name, self.base.payload(info.name), {}
+        else:
+            kind, data = info.dtype, self.base.packed(info.name)
+            scales = dict(scales=self.base.scales(info.name), biases=self.base.biases(info.name),
+                          group_size=info.group_size, scale_dtype=info.scale_dtype or "f16")
+        shared = self.packed.get(info.name)
+        if shared is not None:
+            return mm.Weight(kind, n, k, shared.data, **scales, act_bits=act_bits, packed=True)
+        # A packed weight keeps a copy: the file's pages it has copied (its codes, from the payload's start) would only
+        # add to the process's memory.
+        weight = mm.Weight(kind, n, k, data, **scales, act_bits=act_bits,
+                           release=lambda start, stop: self.base.release(info.name, start, stop))
+        if weight.packed:
+            self.packed[info.name] = weight
+        return weight
 
 
 class KVTensors(Protocol):

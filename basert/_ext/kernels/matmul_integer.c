@@ -118,7 +118,7 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
 /* ---- packed rows (matmul.h) ---- */
 
 void basert_pack_rows(const basert_weight *w, const uint8_t *src, uint8_t *dst, ptrdiff_t r0, ptrdiff_t r1) {
-    const ptrdiff_t bytes = basert_block_bytes(w->ggml_type), units = bytes / 16 * 16, tail = bytes - units;
+    const ptrdiff_t bytes = basert_packed_chunk(w), units = bytes / 16 * 16, tail = bytes - units;
     const ptrdiff_t rb = w->row_bytes, grouped = r1 / 8 * 8;
     for (ptrdiff_t g = r0; g < grouped; g += 8) {
         for (ptrdiff_t at = 0; at < rb; at += bytes) {
@@ -441,27 +441,32 @@ static inline int bq_packed_group(const basert_weight *w, ptrdiff_t row) {
     return w->packed && row % 8 == 0 && row < w->n / 8 * 8;
 }
 
-/* Super-block sb of weight rows rows[r] (bq_row_pointers) as the file stores them: q[r] in place, or copied out of
- * the weight's packed layout into tmp[r] (a packed group's eight rows at once: bt_transpose4 undoes the packing). */
-BASERT_ALWAYS_INLINE void bq_super_blocks(const basert_weight *w, const ptrdiff_t *rows, ptrdiff_t sb,
-                                          uint8_t (*tmp)[BASERT_MAX_BLOCK_BYTES], const uint8_t **q) {
+/* Bytes per row of the spans that bq_stored_span copies at most: a GGUF super-block, or eight groups of scales of a
+ * base_q4 weight (up to 128 values a group). */
+#define BQ_SPAN 512
+
+/* Bytes off .. off + len of weight rows rows[r] (bq_row_pointers) as the file stores them, within one chunk of a packed
+ * weight (a GGUF super-block: off and len its own; base_q4: multiples of 16): q[r] in place, or copied out of the
+ * weight's packed layout into tmp[r] (a packed group's eight rows at once: bt_transpose4 undoes the packing). */
+BASERT_ALWAYS_INLINE void bq_stored_span(const basert_weight *w, const ptrdiff_t *rows, ptrdiff_t off, ptrdiff_t len,
+                                         uint8_t (*tmp)[BQ_SPAN], const uint8_t **q) {
     if (!bq_packed_group(w, rows[0])) {
-        for (int r = 0; r < BQ_ROWS; r++) q[r] = basert_weight_block(w, rows[r], sb, tmp[r]);
+        for (int r = 0; r < BQ_ROWS; r++) q[r] = basert_weight_bytes(w, rows[r], off, len, tmp[r]);
         return;
     }
-    const ptrdiff_t bytes = basert_block_bytes(w->ggml_type), units = bytes / 16 * 16, tail = bytes - units;
-    const uint8_t *g = w->data + rows[0] * w->row_bytes + 8 * sb * bytes;
-    for (ptrdiff_t off = 0; off < units; off += 16) {
+    const ptrdiff_t chunk = basert_packed_chunk(w), at = off % chunk, units = chunk / 16 * 16, tail = chunk - units;
+    const uint8_t *g = w->data + rows[0] * w->row_bytes + 8 * (off - at);
+    for (ptrdiff_t o = at; o < at + len && o < units; o += 16) {
         __m256i u[4], v[4];
-        bt_packed_units(g, off, u);
+        bt_packed_units(g, o, u);
         bt_transpose4(u, v);
         for (int r = 0; r < 4; r++) {
-            _mm_storeu_si128((__m128i *)(void *)(tmp[r] + off), _mm256_castsi256_si128(v[r]));
-            _mm_storeu_si128((__m128i *)(void *)(tmp[r + 4] + off), _mm256_extracti128_si256(v[r], 1));
+            _mm_storeu_si128((__m128i *)(void *)(tmp[r] + o - at), _mm256_castsi256_si128(v[r]));
+            _mm_storeu_si128((__m128i *)(void *)(tmp[r + 4] + o - at), _mm256_extracti128_si256(v[r], 1));
         }
     }
     for (int r = 0; r < BQ_ROWS; r++) {
-        memcpy(tmp[r] + units, g + 8 * units + tail * r, (size_t)tail);
+        if (at + len > units) memcpy(tmp[r] + units - at, g + 8 * units + tail * r, (size_t)tail);
         q[r] = tmp[r];
     }
 }
@@ -560,13 +565,15 @@ BASERT_ALWAYS_INLINE void bq_dot8_pair(const int C, const int kind, const int ty
 
 /* acc[c] + t for block b of eight weight rows p[r] against the activation codes q[c] of C records (c < C): the rows'
  * scales and biases sv, bv. A 256-value type's integers come from its super-block at p[r] + at, sub-block j (constants
- * where the caller writes the super-block out); the others' from p[r], block b. Each pair of weight rows meets the C
+ * where the caller writes the super-block out); the others' from p[r], block wb (b, or b's index in the span of the
+ * rows that p points to, bq_stored_span). Each pair of weight rows meets the C
  * records as soon as it is unpacked, and the rows' lanes are added pairwise as they come (hadd; in the end lane r holds
  * row r's block sum), so that few vectors are live at once. `eight`: 8-bit records against a BQ8_CAPABLE weight, whose
  * codes meet them as bytes (bq_dot8_pair), else 16-bit lanes (bq_madd_pair). */
 BASERT_ALWAYS_INLINE void bq_cols(const int C, const int eight, const int kind, const int type, const int has_bias, const int offset,
-                                  const uint8_t *const *p, ptrdiff_t at, int j, ptrdiff_t b, const int16_t *const *q,
-                                  const float *const *d, const float *const *s, __m256 sv, __m256 bv, __m256 *acc) {
+                                  const uint8_t *const *p, ptrdiff_t at, int j, ptrdiff_t wb, ptrdiff_t b,
+                                  const int16_t *const *q, const float *const *d, const float *const *s, __m256 sv,
+                                  __m256 bv, __m256 *acc) {
     __m256i ae[BQ_COLS], ao[BQ_COLS], t0[BQ_COLS], t1[BQ_COLS], quad[BQ_COLS][2];
     for (int c = 0; c < C; c++) {
         if (eight) {
@@ -578,11 +585,11 @@ BASERT_ALWAYS_INLINE void bq_cols(const int C, const int eight, const int kind, 
     }
     for (int h = 0; h < 2; h++) {
         if (eight) {
-            bq_dot8_pair(C, kind, type, p + 4 * h, at, j, b, ae, t0);
-            bq_dot8_pair(C, kind, type, p + 4 * h + 2, at, j, b, ae, t1);
+            bq_dot8_pair(C, kind, type, p + 4 * h, at, j, wb, ae, t0);
+            bq_dot8_pair(C, kind, type, p + 4 * h + 2, at, j, wb, ae, t1);
         } else {
-            bq_madd_pair(C, kind, type, p + 4 * h, at, j, b, ae, ao, t0);
-            bq_madd_pair(C, kind, type, p + 4 * h + 2, at, j, b, ae, ao, t1);
+            bq_madd_pair(C, kind, type, p + 4 * h, at, j, wb, ae, ao, t0);
+            bq_madd_pair(C, kind, type, p + 4 * h + 2, at, j, wb, ae, ao, t1);
         }
         for (int c = 0; c < C; c++) quad[c][h] = _mm256_hadd_epi32(t0[c], t1[c]);
     }
@@ -641,9 +648,9 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
             /* A super-block's eight sub-blocks written out: their offsets and shifts are constants. Its bytes of the
              * next eight rows prefetched a cache line at a time. */
             const ptrdiff_t bytes = basert_block_bytes(type), at = (g0 >> 3) * bytes;
-            uint8_t tmp[BQ_ROWS][BASERT_MAX_BLOCK_BYTES];
+            uint8_t tmp[BQ_ROWS][BQ_SPAN];
             const uint8_t *blk[BQ_ROWS];
-            bq_super_blocks(w, rows, g0 >> 3, tmp, blk);
+            bq_stored_span(w, rows, at, bytes, tmp, blk);
             bq_gguf_run(type, blk, 0, 8, scale, bias);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
@@ -651,18 +658,25 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
                 if ((j & 1) == 0 || j == 7)
                     if (line < bytes)
                         for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + at + line);
-                bq_cols(C, eight, kind, type, has_bias, offset, blk, 0, j, g0 + j, q, d, s, scale[j], bias[j], acc);
+                bq_cols(C, eight, kind, type, has_bias, offset, blk, 0, j, g0 + j, g0 + j, q, d, s, scale[j], bias[j], acc);
             }
             continue;
         }
         bq_scale_run(kind, type, has_bias, w, rows, p, groups, g0, gn, scale, bias);
+        /* A packed base_q4 weight's blocks of these groups as the file stores them: span, whose blocks count from
+         * first. */
+        const ptrdiff_t first = w->packed ? g0 * per_group : 0;
+        uint8_t tmp[BQ_ROWS][BQ_SPAN];
+        const uint8_t *span[BQ_ROWS];
+        if (w->packed) bq_stored_span(w, rows, first * block_bytes, gn * per_group * block_bytes, tmp, span);
         for (ptrdiff_t j = 0; j < gn; j++) {
             for (ptrdiff_t i = 0; i < per_group; i++) {
                 const ptrdiff_t b = (g0 + j) * per_group + i;
                 /* The same codes of the next eight rows, about a cache line at a time. */
                 if ((b & (prefetch_every - 1)) == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
-                bq_cols(C, eight, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[j], bias[j], acc);
+                bq_cols(C, eight, kind, type, has_bias, offset, w->packed ? span : p, 0, 0, b - first, b, q, d, s,
+                        scale[j], bias[j], acc);
             }
         }
     }
@@ -921,6 +935,7 @@ BASERT_ALWAYS_INLINE void bt_base_q4(const int C, const int P, const int sym, co
     const int has_bias = bq_has_bias(BASERT_Q4, 0, sym), offset = bq_offset(BASERT_Q4, 0, sym), n_rows = C * P;
     const ptrdiff_t k = w->k, per_group = w->group_size / 32, groups = k / 32 / per_group, ahead = BQ_ROWS * w->row_bytes;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
+    const int in_place = bq_packed_group(w, rows[0]);
     __m256 scale[8], bias[8];
     for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
         const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
@@ -928,11 +943,22 @@ BASERT_ALWAYS_INLINE void bt_base_q4(const int C, const int P, const int sym, co
         for (ptrdiff_t j = 0; j < gn; j++) {
             for (ptrdiff_t i = 0; i < per_group; i++) {
                 const ptrdiff_t b = (g0 + j) * per_group + i;
-                /* The same codes of the next eight rows, a cache line every four blocks. */
-                if ((b & 3) == 0)
-                    for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + 16 * b);
                 __m256i units[4], part[BT_ROWS];
-                bt_units(p, 16 * b, units);
+                if (in_place) {
+                    /* A packed group: the block's 128 bytes, the next group's a block ahead. */
+                    __builtin_prefetch(p[0] + ahead + 128 * b);
+                    __builtin_prefetch(p[0] + ahead + 128 * b + 64);
+                    bt_packed_units(p[0], 16 * b, units);
+                } else {
+                    /* The same codes of the next eight rows, a cache line every four blocks; rows of a packed weight
+                     * that are not one group copied out of it. */
+                    if ((b & 3) == 0)
+                        for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + 16 * b);
+                    uint8_t tmp[BQ_ROWS][16];
+                    const uint8_t *q[BQ_ROWS];
+                    for (int r = 0; r < BQ_ROWS; r++) q[r] = basert_weight_bytes(w, rows[r], 16 * b, 16, tmp[r]);
+                    bt_units(q, 0, units);
+                }
                 #pragma GCC unroll 8
                 for (int x = 0; x < n_rows; x++) part[x] = _mm256_setzero_si256();
                 #pragma GCC unroll 4
@@ -1213,10 +1239,10 @@ BASERT_ALWAYS_INLINE void bz_block(const int C, const int kind, const int type, 
         /* A super-block at a time: its eight sub-blocks' A and B, then its four pairs, the next eight rows' bytes of it
          * prefetched a cache line per pair. */
         const ptrdiff_t bytes = basert_block_bytes(type);
-        uint8_t tmp[BQ_ROWS][BASERT_MAX_BLOCK_BYTES];
+        uint8_t tmp[BQ_ROWS][BQ_SPAN];
         const uint8_t *blk[BQ_ROWS];
         for (ptrdiff_t g = 0; g < groups; g++) {
-            bq_super_blocks(w, rows, g, tmp, blk);
+            bq_stored_span(w, rows, g * bytes, bytes, tmp, blk);
             bq_gguf_run(type, blk, 0, 8, scale, bias);
 #pragma GCC unroll 4
             for (int j = 0; j < 8; j += 2) {
@@ -1234,14 +1260,23 @@ BASERT_ALWAYS_INLINE void bz_block(const int C, const int kind, const int type, 
         for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
             const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8, end = (g0 + gn) * per_group;
             bq_scale_run(kind, type, has_bias, w, rows, p, groups, g0, gn, scale, bias);
+            /* A packed base_q4 weight's blocks of these groups as the file stores them (bq_block's span). */
+            const ptrdiff_t first = w->packed ? g0 * per_group : 0;
+            uint8_t tmp[BQ_ROWS][BQ_SPAN];
+            const uint8_t *span[BQ_ROWS];
+            if (w->packed) bq_stored_span(w, rows, first * pair_bytes / 2, (end - first) * pair_bytes / 2, tmp, span);
+            const uint8_t *const *src = w->packed ? span : p;
             ptrdiff_t b = g0 * per_group;
             for (; b + 2 <= end; b += 2) {
                 if ((b * pair_bytes / 2) % 64 == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * pair_bytes / 2);
                 const ptrdiff_t j0 = b / per_group - g0, j1 = (b + 1) / per_group - g0;
-                bz_pair(C, kind, type, has_bias, offset, p, b, q, d, s, b, scale[j0], bias[j0], scale[j1], bias[j1], acc);
+                bz_pair(C, kind, type, has_bias, offset, src, b - first, q, d, s, b, scale[j0], bias[j0], scale[j1],
+                        bias[j1], acc);
             }
-            if (b < end) bq_cols(C, 0, kind, type, has_bias, offset, p, 0, 0, b, q, d, s, scale[gn - 1], bias[gn - 1], acc);
+            if (b < end)
+                bq_cols(C, 0, kind, type, has_bias, offset, src, 0, 0, b - first, b, q, d, s, scale[gn - 1], bias[gn - 1],
+                        acc);
         }
     }
     bq_store(C, R, acc, y + row, ldy);
@@ -1296,31 +1331,33 @@ BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sy
     ptrdiff_t rows[BQ_ROWS];
     bq_row_pointers(w, row, R, rows, p);
     const __m256i off = _mm256_set1_epi16((short)offset);
-    const int super = gguf && basert_block_values(type) == 256, packed = super && bq_packed_group(w, row);
+    const int in_place = bq_packed_group(w, row);
     __m256 scale[8], bias[8];
-    uint8_t tmp[BQ_ROWS][BASERT_MAX_BLOCK_BYTES];
-    const uint8_t *blk[BQ_ROWS];
+    uint8_t tmp[BQ_ROWS][BQ_SPAN];
+    const uint8_t *span[BQ_ROWS];
     for (ptrdiff_t g0 = b0 / per_group; g0 < b1 / per_group; g0 += 8) {
-        const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
-        /* A 256-value type's super-block g0 / 8 as the file stores it (copied out of a packed group): blk, whose
-         * blocks count from g0. */
-        if (super) bq_super_blocks(w, rows, g0 >> 3, tmp, blk);
-        const uint8_t *const *src = super ? blk : p;
-        const ptrdiff_t first = super ? g0 : 0;
-        /* A packed group's next group, its super-block g0 / 8 at once (one stream); else each row's next bytes. */
-        if (packed)
-            for (ptrdiff_t line = 0; line < 8 * basert_block_bytes(type); line += 64)
-                __builtin_prefetch(p[0] + ahead + 8 * (g0 >> 3) * basert_block_bytes(type) + line);
-        bq_scale_run(kind, type, has_bias, w, rows, src, groups, g0 - first, gn, scale, bias);
+        const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8, first = g0 * per_group;
+        /* A packed weight's blocks first .. first + gn * per_group (a GGUF super-block) as the file stores them: span,
+         * whose blocks count from first; a packed group's next group, those bytes at once (one stream). */
+        if (w->packed) {
+            const ptrdiff_t at = gguf ? first / 8 * basert_block_bytes(type) : first * block_bytes;
+            const ptrdiff_t len = gguf ? basert_block_bytes(type) : gn * per_group * block_bytes;
+            bq_stored_span(w, rows, at, len, tmp, span);
+            if (in_place)
+                for (ptrdiff_t line = 0; line < 8 * len; line += 64) __builtin_prefetch(p[0] + ahead + 8 * at + line);
+        }
+        const uint8_t *const *src = w->packed ? span : p;
+        const ptrdiff_t from = w->packed ? first : 0;
+        bq_scale_run(kind, type, has_bias, w, rows, src, groups, gguf ? g0 - from : g0, gn, scale, bias);
         for (ptrdiff_t j = 0; j < gn; j++) {
             for (ptrdiff_t i = 0; i < per_group; i++) {
                 const ptrdiff_t b = (g0 + j) * per_group + i;
-                if (!packed && (b & (prefetch_every - 1)) == 0)
+                if (!in_place && (b & (prefetch_every - 1)) == 0)
                     for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + b * block_bytes);
                 __m256 e[BQ_ROWS], o[BQ_ROWS];
                 for (int r = 0; r < BQ_ROWS; r++) {
                     __m256i even, odd;
-                    bq_weights(kind, type, src[r], b - first, &even, &odd);
+                    bq_weights(kind, type, src[r], b - from, &even, &odd);
                     if (offset) {
                         even = _mm256_sub_epi16(even, off);
                         odd = _mm256_sub_epi16(odd, off);
