@@ -1320,6 +1320,68 @@ BASERT_ALWAYS_INLINE void bg_store(ptrdiff_t at, __m256 scale, __m256 bias, __m2
     }
 }
 
+/* Groups g0 .. g0 + gn of a packed group of base_q4 or Q4_K rows (g: its first byte; rows: bq_row_pointers) into a
+ * panel whose first block is b0, straight from the packed bytes: lane r of a unit vector holds four consecutive values
+ * v .. v + 3 of row r, so that the panel's vector of the even-numbered pair (v, v + 2) and of the odd-numbered one
+ * (v + 1, v + 3) (bg_store's layout) are two masks away, with no transpose. Q4_K's A and B come from its headers as
+ * the byte kernels read them (bt_k_headers: the same float operations as bq_gguf_run). */
+BASERT_ALWAYS_INLINE void bg_unpack_packed(const int kind, const int has_bias, const int offset, const basert_weight *w,
+                                           const ptrdiff_t *rows, const uint8_t *g, ptrdiff_t g0, ptrdiff_t gn,
+                                           ptrdiff_t b0, bg_panel *out) {
+    const __m256i pairs = _mm256_set1_epi32(0x00ff00ff), off = _mm256_set1_epi16((short)offset);
+    if (kind == BASERT_BLOCKS) { /* Q4_K: super-block g0 / 8, its sub-blocks j */
+        const uint8_t *sb = g + 8 * (g0 >> 3) * basert_block_bytes(BASERT_GGML_Q4_K);
+        __m256 dv, neg_dmin;
+        __m256i sc[2], mn[2];
+        bt_k_headers(sb, &dv, &neg_dmin, sc, mn);
+        for (int j = 0; j < 8; j++) {
+            const ptrdiff_t at = g0 + j - b0;
+            __m256i *dst = out->ints + 16 * at;
+            out->a[at] = _mm256_mul_ps(dv, bt_byte_f32(sc[j >> 2], j));
+            out->b[at] = _mm256_mul_ps(neg_dmin, bt_byte_f32(mn[j >> 2], j));
+            for (int hc = 0; hc < 2; hc++) {
+                __m256i units[4];
+                bt_packed_units(sb, 16 + 32 * (j >> 1) + 16 * hc, units);
+                for (int u = 0; u < 4; u++) {
+                    const __m256i v = bt_bits(units[u], 4 * (j & 1), 15);
+                    _mm256_store_si256(dst + 4 * hc + u, _mm256_and_si256(v, pairs));
+                    _mm256_store_si256(dst + 8 + 4 * hc + u, _mm256_srli_epi16(v, 8));
+                }
+            }
+        }
+        return;
+    }
+    /* base_q4: byte i of a block holds values 2i (low nibble) and 2i + 1 (high), so that a unit's low nibbles are
+     * values v, v + 2, v + 4, v + 6 (the even-numbered pairs (v, v + 2) and (v + 4, v + 6)), its high ones the odd. */
+    const ptrdiff_t per_group = w->group_size / 32, groups = w->k / w->group_size;
+    __m256 scale[8], bias[8];
+    bq_scale_run(BASERT_Q4, 0, has_bias, w, rows, NULL, groups, g0, gn, scale, bias);
+    for (ptrdiff_t j = 0; j < gn; j++) {
+        for (ptrdiff_t i = 0; i < per_group; i++) {
+            const ptrdiff_t b = (g0 + j) * per_group + i, at = b - b0;
+            __m256i units[4], *dst = out->ints + 16 * at;
+            out->a[at] = scale[j];
+            out->b[at] = bias[j];
+            bt_packed_units(g, 16 * b, units);
+            for (int u = 0; u < 4; u++) {
+                for (int half = 0; half < 2; half++) {
+                    const __m256i v = bt_bits(units[u], 4 * half, 15);
+                    /* Bytes 0, 2 and 1, 3 of each lane as 16-bit halves, then paired. */
+                    const __m256i even = _mm256_and_si256(v, pairs), odd = _mm256_srli_epi16(v, 8);
+                    __m256i first = _mm256_blend_epi16(even, _mm256_slli_epi32(odd, 16), 0xAA);
+                    __m256i second = _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA);
+                    if (offset) {
+                        first = _mm256_sub_epi16(first, off);
+                        second = _mm256_sub_epi16(second, off);
+                    }
+                    _mm256_store_si256(dst + 8 * half + 2 * u, first);
+                    _mm256_store_si256(dst + 8 * half + 2 * u + 1, second);
+                }
+            }
+        }
+    }
+}
+
 /* Blocks b0..b1 of weight rows row .. row + 8 (beyond R: row again) into a panel; b0 a multiple of BG_KC. */
 BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sym, const basert_weight *w, ptrdiff_t row,
                                     int R, ptrdiff_t b0, ptrdiff_t b1, bg_panel *out) {
@@ -1342,9 +1404,13 @@ BASERT_ALWAYS_INLINE void bg_unpack(const int kind, const int type, const int sy
         if (w->packed) {
             const ptrdiff_t at = gguf ? first / 8 * basert_block_bytes(type) : first * block_bytes;
             const ptrdiff_t len = gguf ? basert_block_bytes(type) : gn * per_group * block_bytes;
-            bq_stored_span(w, rows, at, len, tmp, span);
             if (in_place)
                 for (ptrdiff_t line = 0; line < 8 * len; line += 64) __builtin_prefetch(p[0] + ahead + 8 * at + line);
+            if (in_place && (kind == BASERT_Q4 || type == BASERT_GGML_Q4_K)) {
+                bg_unpack_packed(kind, has_bias, offset, w, rows, p[0], g0, gn, b0, out);
+                continue;
+            }
+            bq_stored_span(w, rows, at, len, tmp, span);
         }
         const uint8_t *const *src = w->packed ? span : p;
         const ptrdiff_t from = w->packed ? first : 0;
