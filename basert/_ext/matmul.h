@@ -136,10 +136,9 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
  * at least, in the SIMD variants. */
 static inline int basert_packs(const basert_weight *w) {
 #if defined(BASERT_SIMD)
-    return w->integer && w->n >= 8 &&
-           ((w->kind == BASERT_Q4 && w->group_size <= 128) || (w->kind == BASERT_BLOCKS && (w->ggml_type == BASERT_GGML_Q4_K ||
-                                                                  w->ggml_type == BASERT_GGML_Q5_K ||
-                                                                  w->ggml_type == BASERT_GGML_Q6_K)));
+    const int k_quant = w->kind == BASERT_BLOCKS && (w->ggml_type == BASERT_GGML_Q4_K ||
+                                                     w->ggml_type == BASERT_GGML_Q5_K || w->ggml_type == BASERT_GGML_Q6_K);
+    return w->integer && w->n >= 8 && ((w->kind == BASERT_Q4 && w->group_size <= 128) || k_quant);
 #else
     (void)w;
     return 0;
@@ -169,7 +168,8 @@ static inline const uint8_t *basert_weight_bytes(const basert_weight *w, ptrdiff
     const ptrdiff_t chunk = basert_packed_chunk(w);
     const uint8_t *group = w->data + (row & ~(ptrdiff_t)7) * w->row_bytes;
     const int r = (int)(row & 7);
-    for (ptrdiff_t j = off; j < off + len; j++) buf[j - off] = group[8 * (j - j % chunk) + basert_packed_at(chunk, r, j % chunk)];
+    for (ptrdiff_t j = off; j < off + len; j++)
+        buf[j - off] = group[8 * (j - j % chunk) + basert_packed_at(chunk, r, j % chunk)];
     return buf;
 }
 
@@ -186,8 +186,8 @@ void basert_pack_rows(const basert_weight *w, const uint8_t *src, uint8_t *dst, 
 /* Columns r0..r1 of y[m, ldy] = x @ W^T for a weight with `integer` set, x given as m quantized rows (records of
  * basert_qrow_bytes(w->k) bytes from qx). Up to four rows (decode, a few sequences), and every batch in the portable
  * variant: weight rows eight at a time streamed against the activation rows; base_q4, Q4_K, Q5_K and Q6_K in the
- * SIMD variants as bytes, eight rows side by side (one row per 32-bit lane, no fold; the K-quants read packed); the others with a horizontal fold
- * per block (on AVX-512, two blocks per 512-bit vector for base_q8). Five or more (SIMD variants): sixteen weight
+ * SIMD variants as bytes, eight rows side by side (one row per 32-bit lane, no fold; read packed); the others with a
+ * horizontal fold per block (on AVX-512, two blocks per 512-bit vector for base_q8). Five or more (SIMD variants): sixteen weight
  * rows at a time unpacked into 16-bit pairs, one row per lane, 2,048 values at a time, and every activation row run
  * against them four at a time (no fold; vpdpwssd on AVX512-VNNI CPUs); the activation rows in blocks that stay in
  * L2. All give the same bits. */

@@ -158,11 +158,11 @@ cdef class QuantizedRows:
 
 cdef class Weight:
     """One .base weight matrix [N, K]: a read-only view of its arrays, kept alive here; a base_q4, Q4_K, Q5_K or Q6_K
-    weight on the integer path of a SIMD variant copies its bytes once into the packed layout instead (matmul.h; `packed`), after
-    which the caller may let the file's pages go. `packed=True` says the data already is in that layout (another packed
-    weight's rows). `release(start, stop)`, where given, is called as the packing goes with each range of data's bytes
-    that it has copied and no longer reads (the caller may let the file's pages go: the copy and the file are then never
-    both in memory whole)."""
+    weight on the integer path of a SIMD variant copies its bytes once into the packed layout instead (matmul.h;
+    `packed`), after which the caller may let the file's pages go. `packed=True` says the data already is in that
+    layout (another packed weight's rows). `release(start, stop)`, where given, is called as the packing goes with
+    each range of data's bytes that it has copied and no longer reads (the caller may let the file's pages go: the copy
+    and the file are then never both in memory whole)."""
 
     cdef readonly str kind, scale_dtype
     cdef readonly int n, k, group_size

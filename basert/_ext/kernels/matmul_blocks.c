@@ -33,5 +33,6 @@ bm_stream_kernel bm_blocks_kernel(const basert_weight *w) { return (bm_stream_ke
 void bm_blocks_dequant_row(const basert_weight *w, ptrdiff_t row, float *dst) {
     const ptrdiff_t values = w->group_size;
     uint8_t buf[BASERT_MAX_BLOCK_BYTES];
-    for (ptrdiff_t b = 0; b < w->k / values; b++) bm_dequant_block(w->ggml_type, basert_weight_block(w, row, b, buf), dst + b * values);
+    for (ptrdiff_t b = 0; b < w->k / values; b++)
+        bm_dequant_block(w->ggml_type, basert_weight_block(w, row, b, buf), dst + b * values);
 }

@@ -4,16 +4,16 @@
  * SIMD variants, one to four activation rows (decode, a few sequences, short verifications), eight weight rows at a
  * time. base_q4, Q4_K, Q5_K and Q6_K (bt_*): the eight rows' code bytes transposed by four-byte units, so that each
  * maddubs against broadcast activation bytes leaves row r's sums in lane r, with no fold; 16-bit activations as two
- * planes of bytes. The K-quants are stored so transposed (matmul.h's packed rows, basert_pack_rows): the other
- * kernels copy a packed super-block back to the file's layout first (bq_super_blocks). The other weights: each row's 32 integers of a block are split into two vectors of 16-bit lanes,
- * the even-numbered values and the odd-numbered ones (the order of the activation records), which meet the activation
- * block in two madds (Q3_K's scales multiplied in first); the eight rows' partial sums are folded into one vector of
- * eight exact block sums (lane r: weight row r), and the float operations run on those eight rows at once; the
- * AVX-512 variant takes two blocks per vector where it can (bz_*). With 8-bit activations, Q5_0 and Q5_1 codes (and
- * base_q4's where the byte kernels cannot have their buffer) meet them as bytes instead (bq_dot8_pair: one maddubs
- * per row and block).
- * Batches of five rows or more take the unpacking kernels further down (bg_*). The portable variant computes the same
- * integers and float operations row by row. */
+ * planes of bytes. These four types are stored so transposed (matmul.h's packed rows, basert_pack_rows): the unpacking
+ * GEMM reads base_q4 and Q4_K groups as they are (bg_unpack_packed); the other kernels copy a packed span back to the
+ * file's layout first (bq_stored_span). The other weights: each row's 32 integers of a block are split into two
+ * vectors of 16-bit lanes, the even-numbered values and the odd-numbered ones (the order of the activation records),
+ * which meet the activation block in two madds (Q3_K's scales multiplied in first); the eight rows' partial sums are
+ * folded into one vector of eight exact block sums (lane r: weight row r), and the float operations run on those eight
+ * rows at once; the AVX-512 variant takes two blocks per vector where it can (bz_*). With 8-bit activations, Q5_0 and
+ * Q5_1 codes (and base_q4's where the byte kernels cannot have their buffer) meet them as bytes instead (bq_dot8_pair:
+ * one maddubs per row and block). Batches of five rows or more take the unpacking kernels further down (bg_*). The
+ * portable variant computes the same integers and float operations row by row. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
