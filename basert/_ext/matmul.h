@@ -17,6 +17,7 @@
 #define BASERT_MATMUL_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "blocks.h"
 #include "simd.h"
@@ -177,6 +178,15 @@ static inline const uint8_t *basert_weight_bytes(const basert_weight *w, ptrdiff
 static inline const uint8_t *basert_weight_block(const basert_weight *w, ptrdiff_t row, ptrdiff_t sb, uint8_t *buf) {
     const ptrdiff_t bytes = basert_block_bytes(w->ggml_type);
     return basert_weight_bytes(w, row, sb * bytes, bytes, buf);
+}
+
+/* One chunk of `bytes` of eight rows (q[r]: its first byte as the file stores it) into dst in the packed layout. */
+static inline void basert_pack_chunk(const uint8_t *const *q, ptrdiff_t bytes, uint8_t *dst) {
+    const ptrdiff_t units = bytes / 16 * 16;
+    for (int r = 0; r < 8; r++) {
+        for (ptrdiff_t j = 0; j < units; j += 4) memcpy(dst + basert_packed_at(bytes, r, j), q[r] + j, 4);
+        memcpy(dst + basert_packed_at(bytes, r, units), q[r] + units, (size_t)(bytes - units));
+    }
 }
 
 /* Rows r0 .. r1 of the weight (r0 a multiple of 8; r1 too, or n) from src, as the file stores them, into dst in the

@@ -118,16 +118,12 @@ void basert_quantize_rows(const float *x, ptrdiff_t ldx, ptrdiff_t m, ptrdiff_t 
 /* ---- packed rows (matmul.h) ---- */
 
 void basert_pack_rows(const basert_weight *w, const uint8_t *src, uint8_t *dst, ptrdiff_t r0, ptrdiff_t r1) {
-    const ptrdiff_t bytes = basert_packed_chunk(w), units = bytes / 16 * 16, tail = bytes - units;
-    const ptrdiff_t rb = w->row_bytes, grouped = r1 / 8 * 8;
+    const ptrdiff_t bytes = basert_packed_chunk(w), rb = w->row_bytes, grouped = r1 / 8 * 8;
     for (ptrdiff_t g = r0; g < grouped; g += 8) {
         for (ptrdiff_t at = 0; at < rb; at += bytes) {
-            uint8_t *out = dst + g * rb + 8 * at;
-            for (int r = 0; r < 8; r++) {
-                const uint8_t *in = src + (g + r) * rb + at;
-                for (ptrdiff_t j = 0; j < units; j += 4) memcpy(out + basert_packed_at(bytes, r, j), in + j, 4);
-                memcpy(out + basert_packed_at(bytes, r, units), in + units, (size_t)tail);
-            }
+            const uint8_t *q[8];
+            for (int r = 0; r < 8; r++) q[r] = src + (g + r) * rb + at;
+            basert_pack_chunk(q, bytes, dst + g * rb + 8 * at);
         }
     }
     memcpy(dst + grouped * rb, src + grouped * rb, (size_t)((r1 - grouped) * rb));
@@ -986,16 +982,10 @@ BASERT_ALWAYS_INLINE void bt_base_q4(const int C, const int P, const int sym, co
  * stores them: the last n % 8 rows of a packed weight, rows of a weight too small to be packed, or eight rows that are
  * not one packed group (copied out of it first). */
 BASERT_ALWAYS_INLINE void bt_pack_super_block(const basert_weight *w, const ptrdiff_t *rows, ptrdiff_t sb, uint8_t *buf) {
-    const ptrdiff_t bytes = basert_block_bytes(w->ggml_type), units = bytes / 16 * 16, tail = bytes - units;
     uint8_t stored[BQ_ROWS][BASERT_MAX_BLOCK_BYTES];
     const uint8_t *q[BQ_ROWS];
     for (int r = 0; r < BQ_ROWS; r++) q[r] = basert_weight_block(w, rows[r], sb, stored[r]);
-    for (ptrdiff_t off = 0; off < units; off += 16) {
-        __m256i u[4];
-        bt_units(q, off, u);
-        for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(void *)(buf + 8 * off + 32 * i), u[i]);
-    }
-    for (int r = 0; r < BQ_ROWS; r++) memcpy(buf + 8 * units + tail * r, q[r] + units, (size_t)tail);
+    basert_pack_chunk(q, basert_block_bytes(w->ggml_type), buf);
 }
 
 /* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C activation rows: their records at qx + c * rb,

@@ -521,15 +521,16 @@ BASERT_ALWAYS_INLINE void bm_scales_at(const int sym, const basert_weight *w, co
 
 /* ---- de-quantize one row ---- */
 
-/* A row of a packed base_q4 weight (matmul.h) that lies in one of its groups: each block's 16 bytes copied out of it,
- * then bm_quant1's operations. */
+/* A row of a packed base_q4 weight (matmul.h): each block's 16 bytes copied out of its group (the last rows read in
+ * place), then bm_quant1's operations. */
 static inline void bm_dequant_packed_row(const int sym, const basert_weight *w, ptrdiff_t row, float *dst) {
     const ptrdiff_t gs = w->group_size, groups = w->k / gs;
     const uint16_t *sp = w->scales + row * groups, *bp = sym ? NULL : w->biases + row * groups;
     for (ptrdiff_t b = 0; b < w->k / 32; b++) {
         uint8_t buf[16];
         const uint8_t *codes = basert_weight_bytes(w, row, 16 * b, 16, buf);
-        const float s = bm_scale_f32(sp[32 * b / gs], w->bf16_scales), bias = sym ? s : bm_scale_f32(bp[32 * b / gs], w->bf16_scales);
+        const float s = bm_scale_f32(sp[32 * b / gs], w->bf16_scales);
+        const float bias = sym ? s : bm_scale_f32(bp[32 * b / gs], w->bf16_scales);
         for (int j = 0; j < 32; j++) dst[32 * b + j] = bm_quant1(BASERT_Q4, sym, codes, j, s, bias);
     }
 }
