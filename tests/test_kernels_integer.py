@@ -23,7 +23,7 @@ KINDS = [(kind, group, symmetric, scale_dtype)
          for symmetric in (False, True)
          for scale_dtype in ("f16", "bf16")]
 K_VALUES = {32: (32, 96, 576, 2080), 64: (64, 576, 2112), 128: (128, 1152, 2176)}
-M_VALUES = (1, 2, 3, 4, 5, 9, 17, 64, 130)
+M_VALUES = (1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 130)
 N_VALUES = (1, 7, 8, 33, 100)
 
 
@@ -340,7 +340,7 @@ def test_packed_weights_read_as_the_file_stores_them(kind: str) -> None:
         # Whole groups keep the packed bytes; rows cut out of a group are copied back to the file's layout first.
         assert np.shares_memory(part.data, weight.data) == (not PACKS or (start % 8 == 0 and stop % 8 == 0))
         assert part.packed == (PACKS and stop - start >= 8)
-        for m in (1, 4, 9):
+        for m in (1, 4, 8, 9):
             assert same_bits(run(x[:m], part), want[:m, start:stop]), (start, stop, m)
     ids = np.array([0, 7, 8, 39, 21, 8], dtype=np.int32)
     out = np.zeros((ids.size, k), dtype=np.float32)

@@ -194,13 +194,13 @@ static inline void basert_pack_chunk(const uint8_t *const *q, ptrdiff_t bytes, u
 void basert_pack_rows(const basert_weight *w, const uint8_t *src, uint8_t *dst, ptrdiff_t r0, ptrdiff_t r1);
 
 /* Columns r0..r1 of y[m, ldy] = x @ W^T for a weight with `integer` set, x given as m quantized rows (records of
- * basert_qrow_bytes(w->k) bytes from qx). Up to four rows (decode, a few sequences), and every batch in the portable
- * variant: weight rows eight at a time streamed against the activation rows; base_q4, Q4_K, Q5_K and Q6_K in the
- * SIMD variants as bytes, eight rows side by side (one row per 32-bit lane, no fold; read packed); the others with a
- * horizontal fold per block (on AVX-512, two blocks per 512-bit vector for base_q8). Five or more (SIMD variants): sixteen weight
- * rows at a time unpacked into 16-bit pairs, one row per lane, 2,048 values at a time, and every activation row run
- * against them four at a time (no fold; vpdpwssd on AVX512-VNNI CPUs); the activation rows in blocks that stay in
- * L2. All give the same bits. */
+ * basert_qrow_bytes(w->k) bytes from qx). A few rows (decode, a few sequences, verifications), and every batch in the
+ * portable variant: weight rows eight at a time streamed against the activation rows; base_q4, Q4_K, Q5_K and Q6_K in
+ * the SIMD variants as bytes, eight rows side by side (one row per 32-bit lane, no fold; read packed), up to eight
+ * activation rows; the others, up to four, with a horizontal fold per block (on AVX-512, two blocks per 512-bit vector
+ * for base_q8). More (SIMD variants): sixteen weight rows at a time unpacked into 16-bit pairs, one row per lane, 2,048
+ * values at a time, and every activation row run against them four at a time (no fold; vpdpwssd on AVX512-VNNI CPUs);
+ * the activation rows in blocks that stay in L2. All give the same bits. */
 void basert_qmatmul(const basert_weight *w, const uint8_t *qx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y,
                     ptrdiff_t ldy);
 

@@ -1,19 +1,20 @@
 /* Quantized activations and the integer dot products of quantized weights (matmul.h states the contract): base_q4 /
  * base_q8, and the GGUF blocks Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1.
  *
- * SIMD variants, one to four activation rows (decode, a few sequences, short verifications), eight weight rows at a
- * time. base_q4, Q4_K, Q5_K and Q6_K (bt_*): the eight rows' code bytes transposed by four-byte units, so that each
- * maddubs against broadcast activation bytes leaves row r's sums in lane r, with no fold; 16-bit activations as two
- * planes of bytes. These four types are stored so transposed (matmul.h's packed rows, basert_pack_rows): the unpacking
- * GEMM reads base_q4 and Q4_K groups as they are (bg_unpack_packed); the other kernels copy a packed span back to the
- * file's layout first (bq_stored_span). The other weights: each row's 32 integers of a block are split into two
- * vectors of 16-bit lanes, the even-numbered values and the odd-numbered ones (the order of the activation records),
- * which meet the activation block in two madds (Q3_K's scales multiplied in first); the eight rows' partial sums are
- * folded into one vector of eight exact block sums (lane r: weight row r), and the float operations run on those eight
- * rows at once; the AVX-512 variant takes two blocks per vector where it can (bz_*). With 8-bit activations, Q5_0 and
- * Q5_1 codes (and base_q4's where the byte kernels cannot have their buffer) meet them as bytes instead (bq_dot8_pair:
- * one maddubs per row and block). Batches of five rows or more take the unpacking kernels further down (bg_*). The
- * portable variant computes the same integers and float operations row by row. */
+ * SIMD variants, a few activation rows (decode, a few sequences, short verifications), eight weight rows at a time.
+ * base_q4, Q4_K, Q5_K and Q6_K (bt_*, up to eight activation rows): the eight rows' code bytes transposed by four-byte
+ * units, so that each maddubs against broadcast activation bytes leaves row r's sums in lane r, with no fold; 16-bit
+ * activations as two planes of bytes. The others up to four. These four types are stored so transposed (matmul.h's
+ * packed rows, basert_pack_rows): the unpacking GEMM reads base_q4 and Q4_K groups as they are (bg_unpack_packed); the
+ * other kernels copy a packed span back to the file's layout first (bq_stored_span). The other weights: each row's 32
+ * integers of a block are split into two vectors of 16-bit lanes, the even-numbered values and the odd-numbered ones
+ * (the order of the activation records), which meet the activation block in two madds (Q3_K's scales multiplied in
+ * first); the eight rows' partial sums are folded into one vector of eight exact block sums (lane r: weight row r), and
+ * the float operations run on those eight rows at once; the AVX-512 variant takes two blocks per vector where it can
+ * (bz_*). With 8-bit activations, Q5_0 and Q5_1 codes (and base_q4's where the byte kernels cannot have their buffer)
+ * meet them as bytes instead (bq_dot8_pair: one maddubs per row and block). Larger batches (nine rows or more for the
+ * byte kernels' types, five for the others) take the unpacking kernels further down (bg_*). The portable variant computes the same integers and float operations row by
+ * row. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -679,34 +680,37 @@ BASERT_ALWAYS_INLINE void bq_block(const int C, const int kind, const int type, 
     bq_store(C, R, acc, y + row, ldy);
 }
 
-/* ---- Q4_K / Q5_K / Q6_K against one to four activation rows: eight weight rows side by side ----
+/* ---- base_q4 / Q4_K / Q5_K / Q6_K against one to eight activation rows: eight weight rows side by side ----
  *
- * The 16 code bytes at one offset of eight weight rows are transposed by four-byte units (bt_units): lane r of unit
- * vector u holds bytes 4u .. 4u + 4 of row r. One maddubs against four activation codes broadcast to every lane then
- * adds row r's products in lane r, so the eight rows' exact block sums come out lane by lane, with no horizontal fold
+ * The 16 code bytes at one offset of eight weight rows are transposed by four-byte units (as the weight stores them,
+ * packed): lane r of unit vector u holds bytes 4u .. 4u + 4 of row r. One maddubs against four activation codes
+ * broadcast to every lane then adds row r's products in lane r, so the eight rows' exact block sums come out lane by lane, with no horizontal fold
  * (bq_block folds eight vectors into one per block), and take bq_fold_sums' float operations: the same bits as
  * bq_block's. Q6_K's signed scales are multiplied in by madd (a row's pair of 16-bit sums in its lane, the scale in
  * both halves) and its offset of 32 taken off through the activation's sums of 16 codes. The activation rows are
  * first turned into bytes in natural order, with those sums (bt_activations): 8-bit codes as they are (one plane),
  * 16-bit ones q as two planes of bytes, lo = q & 127 and hi = q >> 7, which meet the weights as 8-bit codes do; then
  * I = 128 * I_hi + I_lo in wrapping 32-bit arithmetic, exact wherever the contract has I fit in 32 bits. Every sum of
- * products kept in 16 bits is bounded below 32768 for codes of magnitude 128 at most (the comments say how). */
+ * products kept in 16 bits is bounded below 32768 for codes of magnitude 128 at most (the comments say how). A group of
+ * eight weight rows meets a tile of activation rows at a time (bt_tile): the tile's kernel, one compiled per count of
+ * rows and planes, keeps a 16-bit sum per row of bytes in a register, reads the activation bytes of a unit at constant
+ * offsets from one pointer, and runs over every chunk of the group. */
 #if defined(BASERT_SIMD)
 #define BT_CAPABLE(kind, type) ((kind) == BASERT_Q4 || ((kind) == BASERT_BLOCKS && ((type) == BASERT_GGML_Q4_K || \
     (type) == BASERT_GGML_Q5_K || (type) == BASERT_GGML_Q6_K)))
-/* Rows of activation bytes at most: two planes of BQ_COLS activation rows. */
-#define BT_ROWS (2 * BQ_COLS)
+/* Activation rows per call of the byte kernels at most. */
+#define BT_COLS 8
+/* Rows of activation bytes whose 16-bit sums a pass over a group of eight weight rows keeps in registers at most: the
+ * activation rows are met BT_ROWS / P at a time (a tile), the group's chunks read again (from L1 or L2) for the next
+ * tile. */
+#define BT_ROWS 8
+/* Activation rows per tile: Q5_K's sums widen every four units and take twice the registers. */
+#define BT_TILE(type, P) (((type) == BASERT_GGML_Q5_K ? BT_ROWS / 2 : BT_ROWS) / (P))
 
-/* Bytes off .. off + 16 of eight rows p[r] as four vectors: lane r of out[u] holds bytes 4u .. 4u + 4 of row r. */
-BASERT_ALWAYS_INLINE void bt_units(const uint8_t *const *p, ptrdiff_t off, __m256i *out) {
-    __m256i v[4];
-    #pragma GCC unroll 4
-    for (int r = 0; r < 4; r++)
-        v[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(p[r] + off))),
-                                       _mm_loadu_si128((const __m128i *)(const void *)(p[r + 4] + off)), 1);
-    /* v[r]: units 0-3 of row r in the low half, of row r + 4 in the high half. */
-    bt_transpose4(v, out);
-}
+/* Where a tile's activation bytes 4 * unit .. + 4 of its plane row i lie: the tile's `rows` plane rows interleaved by
+ * units of four bytes, so that the bytes a unit of weights meets in every row are at constant offsets from one
+ * pointer. */
+static inline ptrdiff_t bt_tile_at(const int rows, ptrdiff_t unit, int i) { return 4 * (unit * rows + i); }
 
 /* Four activation codes (bytes) in every 32-bit lane. */
 BASERT_ALWAYS_INLINE __m256i bt_broadcast(const int8_t *a) {
@@ -736,14 +740,17 @@ BASERT_ALWAYS_INLINE __m256i bt_pack(const int natural, __m256i even, __m256i od
     return natural ? bq_pack8(even, odd) : _mm256_permute4x64_epi64(_mm256_packs_epi16(even, odd), 0xD8);
 }
 
-/* The C activation records qx + c * rb of k values as P planes of bytes (bt_pack's order), plane row i = pl * C + c
- * at a8 + i * k: the 8-bit codes (P = 1), or the 16-bit codes' lo then hi bytes (P = 2); with `sums` (Q6_K), each
+/* The C activation records qx + c * rb of k values as P planes of bytes (bt_pack's order) for the byte kernels: plane
+ * rows i = c * P + pl (an activation row's planes side by side), a tile's T activation rows (bt_tile_at) from
+ * a8 + c0 * P * k; the 8-bit codes (P = 1), or the 16-bit codes' lo then hi bytes (P = 2); with `sums` (Q6_K), each
  * plane row's sums of 16 codes, s16[i * k / 32 + b] for block b (bt_sums16). */
-BASERT_ALWAYS_INLINE void bt_activations(const int C, const int P, const int natural, const uint8_t *qx, ptrdiff_t rb,
+BASERT_ALWAYS_INLINE void bt_activations(const int P, const int natural, int C, int T, const uint8_t *qx, ptrdiff_t rb,
                                          ptrdiff_t k, const int sums, int8_t *a8, int32_t *s16) {
     const __m256i low7 = _mm256_set1_epi16(127);
     for (int c = 0; c < C; c++) {
         const int16_t *q = bq_codes(qx + c * rb);
+        const int c0 = c - c % T, rows = P * (C - c0 < T ? C - c0 : T);
+        int8_t *tile = a8 + c0 * P * k;
         for (ptrdiff_t b = 0; b < k / 32; b++) {
             const __m256i even = bq_load32((const uint8_t *)(const void *)(q + 32 * b));
             const __m256i odd = bq_load32((const uint8_t *)(const void *)(q + 32 * b + 16));
@@ -751,17 +758,19 @@ BASERT_ALWAYS_INLINE void bt_activations(const int C, const int P, const int nat
                 const __m256i v = P == 1    ? bt_pack(natural, even, odd)
                                   : pl == 0 ? bt_pack(natural, _mm256_and_si256(even, low7), _mm256_and_si256(odd, low7))
                                             : bt_pack(natural, _mm256_srai_epi16(even, 7), _mm256_srai_epi16(odd, 7));
-                const ptrdiff_t i = pl * C + c;
-                _mm256_storeu_si256((__m256i *)(void *)(a8 + i * k + 32 * b), v);
-                if (sums) s16[i * (k / 32) + b] = bt_sums16(v);
+                const int i = (c - c0) * P + pl;
+                int8_t bytes[32];
+                _mm256_storeu_si256((__m256i *)(void *)bytes, v);
+                for (int u = 0; u < 8; u++) memcpy(tile + bt_tile_at(rows, 8 * b + u, i), bytes + 4 * u, 4);
+                if (sums) s16[(c * P + pl) * (k / 32) + b] = bt_sums16(v);
             }
         }
     }
 }
 
-/* The exact block sum of activation row c from its planes' sums t[c] (and t[C + c]): 128 * I_hi + I_lo. */
-BASERT_ALWAYS_INLINE __m256i bt_join(const int C, const int P, const __m256i *t, int c) {
-    return P == 1 ? t[c] : _mm256_add_epi32(_mm256_slli_epi32(t[C + c], 7), t[c]);
+/* The exact block sum of activation row c from its planes' sums t[c * P] (and t[c * P + 1]): 128 * I_hi + I_lo. */
+BASERT_ALWAYS_INLINE __m256i bt_join(const int P, const __m256i *t, int c) {
+    return P == 1 ? t[c] : _mm256_add_epi32(_mm256_slli_epi32(t[2 * c + 1], 7), t[2 * c]);
 }
 
 /* Q4_K / Q5_K: the headers of the eight rows of a packed super-block g (d, dmin and the 12 bytes of six-bit scales and
@@ -789,12 +798,54 @@ BASERT_ALWAYS_INLINE __m256 bt_byte_f32(__m256i v, int j) {
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * (j & 3)), _mm256_set1_epi32(255)));
 }
 
-/* acc[c] + t for the four sub-block pairs of Q4_K / Q5_K super-block sb of eight rows, packed at g (matmul.h),
- * against C activation rows of P planes (a8, bt_activations), A = d * scale and B = -(dmin * min) of each sub-block
- * as bq_gguf_run gives them. A sub-block's 16-bit sums take eight units (Q4_K: at most 8 * 2 * 15 * 128) or four
- * (Q5_K: 4 * 2 * 31 * 128) before madd widens them. */
-BASERT_ALWAYS_INLINE void bt_q4_k(const int C, const int P, const int type, const uint8_t *g, ptrdiff_t sb,
-                                  const int8_t *a8, ptrdiff_t k, const float *const *d, const float *const *s, __m256 *acc) {
+/* Unit vector u of the 16 bytes at offset off of a packed chunk g (bt_packed_units' out[u]). */
+BASERT_ALWAYS_INLINE __m256i bt_packed_unit(const uint8_t *g, ptrdiff_t off, int u) {
+    return _mm256_loadu_si256((const __m256i *)(const void *)(g + 8 * off + 32 * u));
+}
+
+/* Bits s .. s + width of every byte of v at bit `at` (at >= width, s + width <= 8; s a run-time count): shifted
+ * within 16-bit lanes, no bit of the neighbouring byte survives the mask. */
+BASERT_ALWAYS_INLINE __m256i bt_field(__m256i v, __m128i s, const int at, const int mask) {
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(v, s), at), _mm256_set1_epi8((char)mask));
+}
+
+/* A tile of the byte kernels: n activation rows, met by groups of eight weight rows. */
+typedef struct {
+    const basert_weight *w;
+    const int8_t *a;                /* the tile's activation bytes (bt_activations) */
+    const int32_t *s16;             /* Q6_K: their sums of 16 codes, k / 32 per plane row */
+    const float *const *d;          /* the tile's records' scales ... */
+    const float *const *s;          /* ... and sums */
+    float *y;                       /* the tile's first row of outputs, */
+    ptrdiff_t ldy;                  /* ... and the distance between rows */
+    uint8_t *copy;                  /* 16 * row_bytes for groups that are not packed in place (bt_pack_group), or NULL */
+} bt_tile;
+
+/* A group of eight weight rows. */
+typedef struct {
+    const ptrdiff_t *rows;          /* the eight weight rows (bq_row_pointers) */
+    const uint8_t *const *p;        /* their bytes where the weight stores them */
+    const uint8_t *g;               /* the group's packed chunks, one after the other */
+    ptrdiff_t ahead;                /* bytes from a chunk to the next group's (prefetched as the chunk is read); 0 none */
+} bt_group;
+
+/* v, kept in a register where it stands (an empty asm): the byte kernels' chains of integer adds stay chains, which
+ * the compiler would otherwise re-associate into trees whose many partial sums spill to the stack. */
+BASERT_ALWAYS_INLINE __m256i bt_keep(__m256i v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+/* Prefetch the next group's copy of a chunk of `bytes` at g. */
+BASERT_ALWAYS_INLINE void bt_prefetch(const bt_group *grp, const uint8_t *g, ptrdiff_t bytes) {
+    if (grp->ahead)
+        for (ptrdiff_t line = 0; line < bytes; line += 64) __builtin_prefetch(g + grp->ahead + line);
+}
+
+/* One or two rows of activation bytes (decode): acc[c] + t for Q4_K / Q5_K super-block sb of eight rows packed at g,
+ * written out whole (shifts and offsets constants), the units of 16 values loaded once for both nibbles; as bt_q4_k. */
+BASERT_ALWAYS_INLINE void bt_q4_k_few(const int C, const int P, const int type, const uint8_t *g, ptrdiff_t sb,
+                                      const bt_tile *t, __m256 *acc) {
     const int five = type == BASERT_GGML_Q5_K, rows = C * P;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 dv, neg_dmin;
@@ -821,7 +872,7 @@ BASERT_ALWAYS_INLINE void bt_q4_k(const int C, const int P, const int type, cons
                     #pragma GCC unroll 8
                     for (int i = 0; i < rows; i++)
                         part[half][i] = _mm256_add_epi16(part[half][i], _mm256_maddubs_epi16(
-                            v, bt_broadcast(a8 + i * k + 256 * sb + 32 * j + 16 * hc + 4 * u)));
+                            v, bt_broadcast(t->a + bt_tile_at(rows, 64 * sb + 8 * j + 4 * hc + u, i))));
                 }
             }
             /* Widened after every 16 values with more than two rows of bytes: fewer registers live. */
@@ -844,19 +895,18 @@ BASERT_ALWAYS_INLINE void bt_q4_k(const int C, const int P, const int type, cons
             const __m256 bv = _mm256_mul_ps(neg_dmin, bt_byte_f32(mn[j >> 2], j));
             #pragma GCC unroll 4
             for (int c = 0; c < C; c++)
-                acc[c] = bq_fold_sums(1, 0, bt_join(C, P, total[half], c), sv, bv, d[c][b], s[c][b], acc[c]);
+                acc[c] = bq_fold_sums(1, 0, bt_join(P, total[half], c), sv, bv, t->d[c][b], t->s[c][b], acc[c]);
         }
     }
 }
 
-/* The same for a Q6_K super-block (A = d, sv): ql's low nibbles (sub-blocks t = 0, 1 of each half h) or high ones
- * (t = 2, 3) joined to qh's two bits 2t; a row's 16-bit sums of two units (at most 2 * 2 * 63 * 128) widened by madd
- * with the scale of their 16 values (the sign-extended scales of each sub-block in the 16-bit halves of sp[sub]);
- * then 32 times the scales times the activation's sums of 16 (s16) taken off. */
-BASERT_ALWAYS_INLINE void bt_q6_k(const int C, const int P, const uint8_t *g, ptrdiff_t sb, const int8_t *a8,
-                                  const int32_t *s16, ptrdiff_t k, const float *const *d, const float *const *s,
-                                  __m256 *acc) {
+/* One or two rows of activation bytes (decode): acc[c] + t for a Q6_K super-block at g written out whole, the four
+ * sub-blocks of a half taking their bits from the same ql and qh units (loaded once), their 16-bit sums over two units
+ * widened by madd with their scale; as bt_q6_k. */
+BASERT_ALWAYS_INLINE void bt_q6_k_few(const int C, const int P, const uint8_t *g, ptrdiff_t sb, const bt_tile *t,
+                                      __m256 *acc) {
     const int rows = C * P;
+    const ptrdiff_t k = t->w->k;
     /* The eight rows' d follow their 13 units of 16 bytes. */
     const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(g + 8 * 208)));
     /* Lane r of unit vector u holds row r's scales 4u .. 4u + 3 as bytes: sign-extended into 16-bit halves, the
@@ -883,7 +933,7 @@ BASERT_ALWAYS_INLINE void bt_q6_k(const int C, const int P, const uint8_t *g, pt
                 bt_packed_units(g, 64 * h + 32 * src + 16 * hc, ql);
                 #pragma GCC unroll 2
                 for (int nib = 0; nib < 2; nib++) {
-                    const int t = src + 2 * nib, sub = 4 * h + t;
+                    const int q = src + 2 * nib, sub = 4 * h + q;
                     /* The scale of these 16 values in both 16-bit halves of each row's lane. */
                     const __m256i scale = hc ? _mm256_blend_epi16(sp[sub], _mm256_srli_epi32(sp[sub], 16), 0x55)
                                              : _mm256_blend_epi16(sp[sub], _mm256_slli_epi32(sp[sub], 16), 0xAA);
@@ -894,170 +944,312 @@ BASERT_ALWAYS_INLINE void bt_q6_k(const int C, const int P, const uint8_t *g, pt
                         for (int i = 0; i < rows; i++) part[i] = _mm256_setzero_si256();
                         #pragma GCC unroll 2
                         for (int u = u0; u < u0 + 2; u++) {
-                            const __m256i v = _mm256_or_si256(bt_bits(ql[u], 4 * nib, 15), bt_bits(qh[u], 2 * t - 4, 48));
+                            const __m256i v = _mm256_or_si256(bt_bits(ql[u], 4 * nib, 15), bt_bits(qh[u], 2 * q - 4, 48));
                             #pragma GCC unroll 8
                             for (int i = 0; i < rows; i++)
                                 part[i] = _mm256_add_epi16(part[i], _mm256_maddubs_epi16(
-                                    v, bt_broadcast(a8 + i * k + 256 * sb + 32 * sub + 16 * hc + 4 * u)));
+                                    v, bt_broadcast(t->a + bt_tile_at(rows, 64 * sb + 8 * sub + 4 * hc + u, i))));
                         }
                         #pragma GCC unroll 8
-                        for (int i = 0; i < rows; i++) total[t][i] = _mm256_add_epi32(total[t][i], _mm256_madd_epi16(part[i], scale));
+                        for (int i = 0; i < rows; i++) total[q][i] = _mm256_add_epi32(total[q][i], _mm256_madd_epi16(part[i], scale));
                     }
                 }
             }
         }
         #pragma GCC unroll 4
-        for (int t = 0; t < 4; t++) {
-            const int sub = 4 * h + t;
+        for (int q = 0; q < 4; q++) {
+            const int sub = 4 * h + q;
             const ptrdiff_t b = 8 * sb + sub;
             #pragma GCC unroll 8
             for (int i = 0; i < rows; i++) {
-                const __m256i offset = _mm256_madd_epi16(sp[sub], _mm256_set1_epi32(s16[i * (k / 32) + b]));
-                total[t][i] = _mm256_sub_epi32(total[t][i], _mm256_slli_epi32(offset, 5));
+                const __m256i offset = _mm256_madd_epi16(sp[sub], _mm256_set1_epi32(t->s16[i * (k / 32) + b]));
+                total[q][i] = _mm256_sub_epi32(total[q][i], _mm256_slli_epi32(offset, 5));
             }
             #pragma GCC unroll 4
-            for (int c = 0; c < C; c++) acc[c] = bq_fold_sums(0, 0, bt_join(C, P, total[t], c), sv, sv, d[c][b], s[c][b], acc[c]);
+            for (int c = 0; c < C; c++) acc[c] = bq_fold_sums(0, 0, bt_join(P, total[q], c), sv, sv, t->d[c][b], t->s[c][b], acc[c]);
         }
     }
 }
 
-/* acc[c] + t for every block of eight base_q4 rows p[r] (their indices `rows`) against C activation rows of P planes
- * in the records' order: unit u of a block's 16 bytes holds values 8u .. 8u + 7, the even-numbered ones in its low
- * nibbles (record positions 4u .. 4u + 4) and the odd-numbered ones in its high nibbles (16 + 4u ..). A block's 16-bit
- * sums take its eight maddubs (at most 8 * 2 * 15 * 128). */
-BASERT_ALWAYS_INLINE void bt_base_q4(const int C, const int P, const int sym, const basert_weight *w,
-                                     const ptrdiff_t *rows, const uint8_t *const *p, const int8_t *a8,
-                                     const float *const *d, const float *const *s, __m256 *acc) {
-    const int has_bias = bq_has_bias(BASERT_Q4, 0, sym), offset = bq_offset(BASERT_Q4, 0, sym), n_rows = C * P;
-    const ptrdiff_t k = w->k, per_group = w->group_size / 32, groups = k / 32 / per_group, ahead = BQ_ROWS * w->row_bytes;
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
-    const int in_place = bq_packed_group(w, rows[0]);
+/* Q4_K / Q5_K: acc[c] + the eight rows' products for every sub-block of every super-block against n activation
+ * rows of P planes, A = d * scale and B = -(dmin * min) of each sub-block as bq_gguf_run gives them. A sub-block's
+ * 16-bit sums take its eight units (Q4_K: at most 8 * 2 * 15 * 128) or four (Q5_K: 4 * 2 * 31 * 128) before madd
+ * widens them. */
+BASERT_ALWAYS_INLINE void bt_q4_k(const int n, const int P, const int type, const bt_tile *t, const bt_group *grp,
+                                  __m256 *acc) {
+    const int five = type == BASERT_GGML_Q5_K, rows = n * P;
+    const ptrdiff_t k = t->w->k, bytes = 8 * basert_block_bytes(type);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (ptrdiff_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *g = grp->g + sb * bytes;
+        bt_prefetch(grp, g, bytes);
+        if (rows <= 2) {
+            bt_q4_k_few(n, P, type, g, sb, t, acc);
+            continue;
+        }
+        __m256 dv, neg_dmin, sv[8], bv[8];
+        __m256i sc[2], mn[2];
+        bt_k_headers(g, &dv, &neg_dmin, sc, mn);
+        #pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            sv[j] = _mm256_mul_ps(dv, bt_byte_f32(sc[j >> 2], j));
+            bv[j] = _mm256_mul_ps(neg_dmin, bt_byte_f32(mn[j >> 2], j));
+        }
+        #pragma GCC unroll 1
+        for (int pair = 0; pair < 4; pair++) {
+            /* Sub-blocks 2 * pair and 2 * pair + 1 are the low and high nibbles of the same bytes. */
+            const uint8_t *codes = g + 8 * ((five ? 48 : 16) + 32 * pair);
+            #pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                const int j = 2 * pair + half;
+                /* Q5_K: bit j of the qh byte as 16. */
+                const __m128i bit = _mm_cvtsi32_si128(j);
+                const int8_t *a = t->a + bt_tile_at(rows, 64 * sb + 8 * j, 0);
+                __m256i total[BT_ROWS], part[BT_ROWS];
+                #pragma GCC unroll 8
+                for (int i = 0; i < rows; i++) part[i] = _mm256_setzero_si256();
+                #pragma GCC unroll 2
+                for (int hc = 0; hc < 2; hc++) {
+                    #pragma GCC unroll 4
+                    for (int u = 0; u < 4; u++) {
+                        __m256i v = bt_bits(bt_packed_unit(codes, 16 * hc, u), 4 * half, 15);
+                        if (five) v = _mm256_or_si256(v, bt_field(bt_packed_unit(g, 16 + 16 * hc, u), bit, 4, 16));
+                        #pragma GCC unroll 8
+                        for (int i = 0; i < rows; i++)
+                            part[i] = bt_keep(_mm256_add_epi16(part[i], _mm256_maddubs_epi16(
+                                v, bt_broadcast(a + bt_tile_at(rows, 4 * hc + u, i)))));
+                    }
+                    if (five || hc == 1) {
+                        #pragma GCC unroll 8
+                        for (int i = 0; i < rows; i++) {
+                            const __m256i wide = _mm256_madd_epi16(part[i], ones);
+                            total[i] = five && hc == 1 ? _mm256_add_epi32(total[i], wide) : wide;
+                            part[i] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+                const ptrdiff_t b = 8 * sb + j;
+                #pragma GCC unroll 8
+                for (int c = 0; c < n; c++)
+                    acc[c] = bq_fold_sums(1, 0, bt_join(P, total, c), sv[j], bv[j], t->d[c][b], t->s[c][b], acc[c]);
+            }
+        }
+    }
+}
+
+/* The same for Q6_K (A = d): ql's low nibbles (sub-blocks 0, 1 of each half of the super-block) or high ones (2, 3)
+ * joined to qh's two bits 2 * (sub % 4); each unit's 16-bit products (at most 2 * 63 * 128) widened by madd with the
+ * scale of their 16 values (the sign-extended scales of each sub-block in the 16-bit halves of its pair); then 32
+ * times the scales times the activation's sums of 16 (s16) taken off. */
+BASERT_ALWAYS_INLINE void bt_q6_k(const int n, const int P, const bt_tile *t, const bt_group *grp, __m256 *acc) {
+    const int rows = n * P;
+    const ptrdiff_t k = t->w->k, bytes = 8 * basert_block_bytes(BASERT_GGML_Q6_K);
+    for (ptrdiff_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *g = grp->g + sb * bytes;
+        bt_prefetch(grp, g, bytes);
+        if (rows <= 2) {
+            bt_q6_k_few(n, P, g, sb, t, acc);
+            continue;
+        }
+        /* The eight rows' d follow their 13 units of 16 bytes. */
+        const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(g + 8 * 208)));
+        /* Lane r of unit vector u holds row r's scales 4u .. 4u + 3 as bytes (one per 16 values), those of sub-blocks
+         * 2u and 2u + 1: sign-extended into 16-bit halves, a sub-block's pair in each lane. */
+        __m256i pairs[8];
+        #pragma GCC unroll 4
+        for (int u = 0; u < 4; u++) {
+            const __m256i su = bt_packed_unit(g, 192, u);
+            const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(su, 8), 8), hi = _mm256_srai_epi16(su, 8);
+            pairs[2 * u] = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
+            pairs[2 * u + 1] = _mm256_blend_epi16(_mm256_srli_epi32(lo, 16), hi, 0xAA);
+        }
+        #pragma GCC unroll 1
+        for (int sub = 0; sub < 8; sub++) {
+            const int h = sub >> 2, q = sub & 3;
+            const __m128i nibble = _mm_cvtsi32_si128(4 * (q >> 1)), high = _mm_cvtsi32_si128(2 * q);
+            const uint8_t *ql = g + 8 * (64 * h + 32 * (q & 1)), *qh = g + 8 * (128 + 32 * h);
+            const int8_t *a = t->a + bt_tile_at(rows, 64 * sb + 8 * sub, 0);
+            const __m256i pair = pairs[sub];
+            __m256i total[BT_ROWS];
+            #pragma GCC unroll 8
+            for (int i = 0; i < rows; i++) total[i] = _mm256_setzero_si256();
+            #pragma GCC unroll 2
+            for (int hc = 0; hc < 2; hc++) {
+                /* The scale of these 16 values in both 16-bit halves of each row's lane. */
+                const __m256i scale = hc ? _mm256_blend_epi16(pair, _mm256_srli_epi32(pair, 16), 0x55)
+                                         : _mm256_blend_epi16(pair, _mm256_slli_epi32(pair, 16), 0xAA);
+                #pragma GCC unroll 4
+                for (int u = 0; u < 4; u++) {
+                    const __m256i v = _mm256_or_si256(bt_field(bt_packed_unit(ql, 16 * hc, u), nibble, 0, 15),
+                                                      bt_field(bt_packed_unit(qh, 16 * hc, u), high, 4, 48));
+                    #pragma GCC unroll 8
+                    for (int i = 0; i < rows; i++)
+                        total[i] = bt_keep(_mm256_add_epi32(total[i], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                            v, bt_broadcast(a + bt_tile_at(rows, 4 * hc + u, i))), scale)));
+                }
+            }
+            const ptrdiff_t b = 8 * sb + sub;
+            #pragma GCC unroll 8
+            for (int i = 0; i < rows; i++) {
+                const __m256i offset = _mm256_madd_epi16(pair, _mm256_set1_epi32(t->s16[i * (k / 32) + b]));
+                total[i] = _mm256_sub_epi32(total[i], _mm256_slli_epi32(offset, 5));
+            }
+            #pragma GCC unroll 8
+            for (int c = 0; c < n; c++) acc[c] = bq_fold_sums(0, 0, bt_join(P, total, c), sv, sv, t->d[c][b], t->s[c][b], acc[c]);
+        }
+    }
+}
+
+/* base_q4 (the weight's offset and bias as sym says): every block against n activation rows of P planes in the
+ * records' order. Unit u of a block's 16 bytes holds values 8u .. 8u + 7, the even-numbered ones in its low nibbles
+ * (record positions 4u .. 4u + 4), the odd-numbered ones in its high nibbles (16 + 4u ..); a block's 16-bit sums take
+ * its eight maddubs (at most 8 * 2 * 15 * 128). */
+BASERT_ALWAYS_INLINE void bt_base_q4(const int n, const int P, const int sym, const bt_tile *t, const bt_group *grp,
+                                     __m256 *acc) {
+    const int has_bias = bq_has_bias(BASERT_Q4, 0, sym), offset = bq_offset(BASERT_Q4, 0, sym), rows = n * P;
+    const basert_weight *w = t->w;
+    const ptrdiff_t k = w->k, per_group = w->group_size / 32, groups = k / 32 / per_group;
+    const __m256i low4 = _mm256_set1_epi8(15);
     __m256 scale[8], bias[8];
     for (ptrdiff_t g0 = 0; g0 < groups; g0 += 8) {
         const ptrdiff_t gn = groups - g0 < 8 ? groups - g0 : 8;
-        bq_scale_run(BASERT_Q4, 0, has_bias, w, rows, p, groups, g0, gn, scale, bias);
+        bq_scale_run(BASERT_Q4, 0, has_bias, w, grp->rows, grp->p, groups, g0, gn, scale, bias);
         for (ptrdiff_t j = 0; j < gn; j++) {
             for (ptrdiff_t i = 0; i < per_group; i++) {
                 const ptrdiff_t b = (g0 + j) * per_group + i;
-                __m256i units[4], part[BT_ROWS];
-                if (in_place) {
-                    /* A packed group: the block's 128 bytes, the next group's a block ahead. */
-                    __builtin_prefetch(p[0] + ahead + 128 * b);
-                    __builtin_prefetch(p[0] + ahead + 128 * b + 64);
-                    bt_packed_units(p[0], 16 * b, units);
-                } else {
-                    /* The same codes of the next eight rows, a cache line every four blocks; rows of a packed weight
-                     * that are not one group copied out of it. */
-                    if ((b & 3) == 0)
-                        for (int r = 0; r < BQ_ROWS; r++) __builtin_prefetch(p[r] + ahead + 16 * b);
-                    uint8_t tmp[BQ_ROWS][16];
-                    const uint8_t *q[BQ_ROWS];
-                    for (int r = 0; r < BQ_ROWS; r++) q[r] = basert_weight_bytes(w, rows[r], 16 * b, 16, tmp[r]);
-                    bt_units(q, 0, units);
-                }
+                const uint8_t *units = grp->g + 128 * b;
+                bt_prefetch(grp, units, 128);
+                const int8_t *a = t->a + bt_tile_at(rows, 8 * b, 0);
+                __m256i part[BT_ROWS];
                 #pragma GCC unroll 8
-                for (int x = 0; x < n_rows; x++) part[x] = _mm256_setzero_si256();
+                for (int x = 0; x < rows; x++) part[x] = _mm256_setzero_si256();
                 #pragma GCC unroll 4
                 for (int u = 0; u < 4; u++) {
-                    const __m256i even = _mm256_and_si256(units[u], low4);
-                    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(units[u], 4), low4);
+                    const __m256i unit = bt_packed_unit(units, 0, u);
+                    const __m256i even = _mm256_and_si256(unit, low4), odd = _mm256_and_si256(_mm256_srli_epi16(unit, 4), low4);
                     #pragma GCC unroll 8
-                    for (int x = 0; x < n_rows; x++) {
-                        const int8_t *a = a8 + x * k + 32 * b + 4 * u;
-                        part[x] = _mm256_add_epi16(part[x], _mm256_add_epi16(_mm256_maddubs_epi16(even, bt_broadcast(a)),
-                                                                             _mm256_maddubs_epi16(odd, bt_broadcast(a + 16))));
-                    }
+                    for (int x = 0; x < rows; x++)
+                        part[x] = bt_keep(_mm256_add_epi16(part[x], _mm256_add_epi16(
+                            _mm256_maddubs_epi16(even, bt_broadcast(a + bt_tile_at(rows, u, x))),
+                            _mm256_maddubs_epi16(odd, bt_broadcast(a + bt_tile_at(rows, 4 + u, x))))));
                 }
                 #pragma GCC unroll 8
-                for (int x = 0; x < n_rows; x++) part[x] = _mm256_madd_epi16(part[x], ones);
-                #pragma GCC unroll 4
-                for (int c = 0; c < C; c++)
-                    acc[c] = bq_fold_sums(has_bias, offset, bt_join(C, P, part, c), scale[j], bias[j], d[c][b], s[c][b], acc[c]);
+                for (int x = 0; x < rows; x++) part[x] = _mm256_madd_epi16(part[x], _mm256_set1_epi16(1));
+                #pragma GCC unroll 8
+                for (int c = 0; c < n; c++)
+                    acc[c] = bq_fold_sums(has_bias, offset, bt_join(P, part, c), scale[j], bias[j], t->d[c][b], t->s[c][b], acc[c]);
             }
         }
     }
 }
 
-/* Super-block sb of weight rows rows[r] (bq_row_pointers) packed into buf (matmul.h's layout), whichever way w
+/* Eight weight rows rows[r] (bq_row_pointers) packed into buf (matmul.h's layout, 8 * row_bytes), whichever way w
  * stores them: the last n % 8 rows of a packed weight, rows of a weight too small to be packed, or eight rows that are
- * not one packed group (copied out of it first). */
-BASERT_ALWAYS_INLINE void bt_pack_super_block(const basert_weight *w, const ptrdiff_t *rows, ptrdiff_t sb, uint8_t *buf) {
-    uint8_t stored[BQ_ROWS][BASERT_MAX_BLOCK_BYTES];
-    const uint8_t *q[BQ_ROWS];
-    for (int r = 0; r < BQ_ROWS; r++) q[r] = basert_weight_block(w, rows[r], sb, stored[r]);
-    basert_pack_chunk(q, basert_block_bytes(w->ggml_type), buf);
+ * not one packed group (copied out of it first, through stage: 8 * row_bytes). */
+static void bt_pack_group(const basert_weight *w, const ptrdiff_t *rows, uint8_t *stage, uint8_t *buf) {
+    const ptrdiff_t chunk = basert_packed_chunk(w);
+    for (ptrdiff_t at = 0; at < w->row_bytes; at += chunk) {
+        const uint8_t *q[BQ_ROWS];
+        for (int r = 0; r < BQ_ROWS; r++) q[r] = basert_weight_bytes(w, rows[r], at, chunk, stage + r * chunk);
+        basert_pack_chunk(q, chunk, buf + 8 * at);
+    }
 }
 
-/* y[c * ldy + row + r] for weight rows row + r (r < R <= 8) against C activation rows: their records at qx + c * rb,
- * their P planes of bytes a8 and sums s16 (bt_activations). */
-BASERT_ALWAYS_INLINE void bt_block(const int C, const int P, const int kind, const int type, const int sym,
-                                   const basert_weight *w, ptrdiff_t row, int R, const uint8_t *qx, ptrdiff_t rb,
-                                   const int8_t *a8, const int32_t *s16, float *y, ptrdiff_t ldy) {
-    const ptrdiff_t k = w->k;
-    const uint8_t *p[BQ_ROWS];
-    ptrdiff_t rows[BQ_ROWS];
-    bq_row_pointers(w, row, R, rows, p);
-    const int16_t *q[BQ_COLS];
-    const float *d[BQ_COLS], *s[BQ_COLS];
-    __m256 acc[BQ_COLS];
-    bq_records(C, qx, rb, k, q, d, s, acc);
-    if (kind == BASERT_Q4) {
-        bt_base_q4(C, P, sym, w, rows, p, a8, d, s, acc);
-        bq_store(C, R, acc, y + row, ldy);
-        return;
-    }
-    const ptrdiff_t bytes = basert_block_bytes(type);
-    const int in_place = bq_packed_group(w, row);
-    uint8_t buf[BQ_ROWS * BASERT_MAX_BLOCK_BYTES];
-    for (ptrdiff_t sb = 0; sb < k / 256; sb++) {
-        const uint8_t *g = buf;
-        if (in_place) {
-            /* The group's super-blocks one after the other, the next group's after them: one stream, a cache line of
-             * the next group's super-block sb prefetched at a time. */
-            g = p[0] + 8 * sb * bytes;
-            for (ptrdiff_t line = 0; line < 8 * bytes; line += 64) __builtin_prefetch(g + BQ_ROWS * w->row_bytes + line);
-        } else {
-            bt_pack_super_block(w, rows, sb, buf);
+/* Weight rows r0..r1 against a tile of n activation rows (a constant of each instance, at most BT_TILE), eight rows at
+ * a time: a packed group in place, the next group's chunks prefetched as its own are read (one stream), or a packed
+ * copy. */
+BASERT_ALWAYS_INLINE void bt_groups(const int n, const int P, const int kind, const int type, const int sym,
+                                    const bt_tile *t, ptrdiff_t r0, ptrdiff_t r1) {
+    const basert_weight *w = t->w;
+    for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
+        const int R = r1 - row < BQ_ROWS ? (int)(r1 - row) : BQ_ROWS;
+        const uint8_t *p[BQ_ROWS];
+        ptrdiff_t rows[BQ_ROWS];
+        bq_row_pointers(w, row, R, rows, p);
+        bt_group grp = {rows, p, p[0], BQ_ROWS * w->row_bytes};
+        if (!bq_packed_group(w, row)) {
+            bt_pack_group(w, rows, t->copy + 8 * w->row_bytes, t->copy);
+            grp.g = t->copy;
+            grp.ahead = 0;
         }
-        if (type == BASERT_GGML_Q6_K) bt_q6_k(C, P, g, sb, a8, s16, k, d, s, acc);
-        else bt_q4_k(C, P, type, g, sb, a8, k, d, s, acc);
+        __m256 acc[BT_ROWS];
+        for (int c = 0; c < n; c++) acc[c] = _mm256_setzero_ps();
+        if (kind == BASERT_Q4) bt_base_q4(n, P, sym, t, &grp, acc);
+        else if (type == BASERT_GGML_Q6_K) bt_q6_k(n, P, t, &grp, acc);
+        else bt_q4_k(n, P, type, t, &grp, acc);
+        bq_store(n, R, acc, t->y + row, t->ldy);
     }
-    bq_store(C, R, acc, y + row, ldy);
 }
 
-/* Weight rows r0..r1 against the C (at most BQ_COLS) activation rows qx + c * rb of P planes (1: 8-bit codes, 2:
- * 16-bit ones); 0 where their bytes could not be allocated (the caller takes bq_block then). */
-BASERT_ALWAYS_INLINE int bt_rows(const int C, const int P, const int kind, const int type, const int sym,
-                                 const basert_weight *w, const uint8_t *qx, ptrdiff_t rb, ptrdiff_t r0, ptrdiff_t r1,
-                                 float *y, ptrdiff_t ldy) {
+typedef void (*bt_tile_kernel)(const bt_tile *, ptrdiff_t, ptrdiff_t);
+
+/* The tile kernels of a weight kind: name_tiles[P - 1][n] for n activation rows of P planes. */
+#define BT_TILE_INSTANCE(name, n, P, kind, type, sym)                                                                    \
+    static void name##_##P##_##n(const bt_tile *t, ptrdiff_t r0, ptrdiff_t r1) {                                         \
+        bt_groups(n, P, kind, type, sym, t, r0, r1);                                                                     \
+    }
+#define BT_TILE_KERNELS(name, kind, type, sym)                                                                           \
+    BT_TILE_INSTANCE(name, 1, 1, kind, type, sym) BT_TILE_INSTANCE(name, 2, 1, kind, type, sym)                          \
+    BT_TILE_INSTANCE(name, 3, 1, kind, type, sym) BT_TILE_INSTANCE(name, 4, 1, kind, type, sym)                          \
+    BT_TILE_INSTANCE(name, 5, 1, kind, type, sym) BT_TILE_INSTANCE(name, 6, 1, kind, type, sym)                          \
+    BT_TILE_INSTANCE(name, 7, 1, kind, type, sym) BT_TILE_INSTANCE(name, 8, 1, kind, type, sym)                          \
+    BT_TILE_INSTANCE(name, 1, 2, kind, type, sym) BT_TILE_INSTANCE(name, 2, 2, kind, type, sym)                          \
+    BT_TILE_INSTANCE(name, 3, 2, kind, type, sym) BT_TILE_INSTANCE(name, 4, 2, kind, type, sym)                          \
+    static const bt_tile_kernel name##_tiles[2][BT_ROWS + 1] = {                                                         \
+        {NULL, name##_1_1, name##_1_2, name##_1_3, name##_1_4, name##_1_5, name##_1_6, name##_1_7, name##_1_8},          \
+        {NULL, name##_2_1, name##_2_2, name##_2_3, name##_2_4}};
+BT_TILE_KERNELS(bt_tiles_q4_sym, BASERT_Q4, 0, 1)
+BT_TILE_KERNELS(bt_tiles_q4_asym, BASERT_Q4, 0, 0)
+BT_TILE_KERNELS(bt_tiles_q4_k, BASERT_BLOCKS, BASERT_GGML_Q4_K, 0)
+BT_TILE_KERNELS(bt_tiles_q5_k, BASERT_BLOCKS, BASERT_GGML_Q5_K, 0)
+BT_TILE_KERNELS(bt_tiles_q6_k, BASERT_BLOCKS, BASERT_GGML_Q6_K, 0)
+
+/* The tile kernels of a weight the byte kernels take. */
+static const bt_tile_kernel (*bt_tiles_of(const basert_weight *w))[BT_ROWS + 1] {
+    if (w->kind == BASERT_Q4) return w->biases == NULL ? bt_tiles_q4_sym_tiles : bt_tiles_q4_asym_tiles;
+    switch (w->ggml_type) {
+    case BASERT_GGML_Q4_K: return bt_tiles_q4_k_tiles;
+    case BASERT_GGML_Q5_K: return bt_tiles_q5_k_tiles;
+    default: return bt_tiles_q6_k_tiles;
+    }
+}
+
+/* Weight rows r0..r1 against the C (at most BT_COLS) activation rows qx + c * rb of P planes (1: 8-bit codes, 2:
+ * 16-bit ones), a tile of at most BT_TILE activation rows at a time: every row for one tile, or each group of eight rows
+ * for every tile in turn (its chunks then read again from L1 or L2); 0 where their bytes could not be allocated (the
+ * caller takes bq_block then). */
+BASERT_ALWAYS_INLINE int bt_rows(const int P, const int kind, const int type, const basert_weight *w, const uint8_t *qx,
+                                 ptrdiff_t rb, int C, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
+    const int T = BT_TILE(type, P);
     const ptrdiff_t k = w->k, a8_bytes = (P * C * k + 63) & ~(ptrdiff_t)63;
     const ptrdiff_t s16_bytes = (P * C * (k / 32) * (ptrdiff_t)sizeof(int32_t) + 63) & ~(ptrdiff_t)63;
-    uint8_t *mem = aligned_alloc(64, (size_t)(a8_bytes + s16_bytes));
+    int in_place = 1;
+    for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) in_place &= bq_packed_group(w, row);
+    const ptrdiff_t copy_bytes = in_place ? 0 : 16 * w->row_bytes;
+    uint8_t *mem = aligned_alloc(64, (size_t)(a8_bytes + s16_bytes + copy_bytes));
     if (mem == NULL) return 0;
     int8_t *a8 = (int8_t *)(void *)mem;
     int32_t *s16 = (int32_t *)(void *)(mem + a8_bytes);
-    bt_activations(C, P, kind != BASERT_Q4, qx, rb, k, kind == BASERT_BLOCKS && type == BASERT_GGML_Q6_K, a8, s16);
-    for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
-        const int R = r1 - row < BQ_ROWS ? (int)(r1 - row) : BQ_ROWS;
-        bt_block(C, P, kind, type, sym, w, row, R, qx, rb, a8, s16, y, ldy);
+    bt_activations(P, kind != BASERT_Q4, C, T, qx, rb, k, kind == BASERT_BLOCKS && type == BASERT_GGML_Q6_K, a8, s16);
+    const float *d[BT_COLS], *s[BT_COLS];
+    for (int c = 0; c < C; c++) {
+        d[c] = bq_scales(qx + c * rb, k);
+        s[c] = bq_sums(qx + c * rb, k);
+    }
+    const bt_tile_kernel *kernels = bt_tiles_of(w)[P - 1];
+    bt_tile tiles[BT_COLS];
+    for (int c0 = 0; c0 < C; c0 += T)
+        tiles[c0 / T] = (bt_tile){w, a8 + c0 * P * k, s16 + c0 * P * (k / 32), d + c0, s + c0, y + c0 * ldy, ldy,
+                                  in_place ? NULL : mem + a8_bytes + s16_bytes};
+    if (C <= T) {
+        kernels[C](&tiles[0], r0, r1);
+    } else {
+        for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS)
+            for (int c0 = 0; c0 < C; c0 += T)
+                kernels[C - c0 < T ? C - c0 : T](&tiles[c0 / T], row, row + BQ_ROWS < r1 ? row + BQ_ROWS : r1);
     }
     free(mem);
     return 1;
-}
-
-/* bt_rows for C = c1 - c0 activation rows (at most BQ_COLS) from qx + c0 * rb, as constants of their instances. */
-BASERT_ALWAYS_INLINE int bt_cols(const int P, const int kind, const int type, const int sym, const basert_weight *w,
-                                 const uint8_t *qx, ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1,
-                                 float *y, ptrdiff_t ldy) {
-    const uint8_t *qc = qx + c0 * rb;
-    float *yc = y + c0 * ldy;
-    switch (c1 - c0) {
-    case 4: return bt_rows(4, P, kind, type, sym, w, qc, rb, r0, r1, yc, ldy);
-    case 3: return bt_rows(3, P, kind, type, sym, w, qc, rb, r0, r1, yc, ldy);
-    case 2: return bt_rows(2, P, kind, type, sym, w, qc, rb, r0, r1, yc, ldy);
-    case 1: return bt_rows(1, P, kind, type, sym, w, qc, rb, r0, r1, yc, ldy);
-    default: return 0;
-    }
 }
 #endif
 
@@ -1616,8 +1808,9 @@ BASERT_ALWAYS_INLINE void bq_run(const int C, const int kind, const int type, co
 BASERT_ALWAYS_INLINE void bq_rows(const int kind, const int type, const int sym, const basert_weight *w, const uint8_t *qx,
                                   ptrdiff_t rb, ptrdiff_t c0, ptrdiff_t c1, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
 #if defined(BASERT_SIMD)
-    if (BT_CAPABLE(kind, type) && (w->act_max == BASERT_ACT8 ? bt_cols(1, kind, type, sym, w, qx, rb, c0, c1, r0, r1, y, ldy)
-                                                             : bt_cols(2, kind, type, sym, w, qx, rb, c0, c1, r0, r1, y, ldy)))
+    if (BT_CAPABLE(kind, type) && c1 - c0 <= BT_COLS &&
+        (w->act_max == BASERT_ACT8 ? bt_rows(1, kind, type, w, qx + c0 * rb, rb, (int)(c1 - c0), r0, r1, y + c0 * ldy, ldy)
+                                   : bt_rows(2, kind, type, w, qx + c0 * rb, rb, (int)(c1 - c0), r0, r1, y + c0 * ldy, ldy)))
         return;
 #endif
     for (ptrdiff_t row = r0; row < r1; row += BQ_ROWS) {
@@ -1711,33 +1904,32 @@ static ptrdiff_t bq_cols_per_pass(ptrdiff_t rb, ptrdiff_t budget) {
     return cols < BQ_COLS ? BQ_COLS : cols;
 }
 
-/* Batches from this many activation rows on take the unpacking kernels (SIMD variants); smaller ones the row-streaming
- * kernels, BQ_COLS rows at once (1B Q4_K_M, all its matrices, 2 threads, Ice Lake, AVX-512: M = 2 43-60 ms against 75-88
- * unpacked, M = 3 53-78 against 80-83, M = 8 129-155 against 118-151; M = 1 35-38). */
-#define BG_MIN_M (BQ_COLS + 1)
-
+/* Batches of more activation rows than the row-streaming kernels take in one pass (BT_COLS for the byte kernels'
+ * types, else BQ_COLS) take the unpacking kernels (SIMD variants). */
 void basert_qmatmul(const basert_weight *w, const uint8_t *qx, ptrdiff_t m, ptrdiff_t r0, ptrdiff_t r1, float *y, ptrdiff_t ldy) {
     if (m < 1 || r0 >= r1) return;
     bq_gemm_slot gemm;
     const bq_kernel run = bq_kernel_of(w, &gemm);
     const ptrdiff_t rb = basert_qrow_bytes(w->k);
 #if defined(BASERT_SIMD)
-    if (m >= BG_MIN_M) {
-        /* Each thread's panels: 16 vectors of integers and 2 of floats per block (72 KiB), kept between calls. */
-        static _Thread_local __m256i mem[BG_NV][BG_KC * 18];
-        bg_panel panel[BG_NV];
-        for (int v = 0; v < BG_NV; v++) {
-            panel[v].ints = mem[v];
-            panel[v].a = (__m256 *)(void *)(mem[v] + 16 * BG_KC);
-            panel[v].b = panel[v].a + BG_KC;
-        }
-        /* Activation rows per pass: about 256 KiB of the blocks that one panel meets. */
-        const ptrdiff_t slice = w->k / 32 < BG_KC ? rb : BG_KC * (64 + 8);
-        const ptrdiff_t per = bq_cols_per_pass(slice, 262144);
-        for (ptrdiff_t c0 = 0; c0 < m; c0 += per) gemm(w, qx, rb, c0, c0 + per < m ? c0 + per : m, r0, r1, y, ldy, panel);
+    if (m <= (BT_CAPABLE(w->kind, w->ggml_type) ? BT_COLS : BQ_COLS)) {
+        run(w, qx, rb, 0, m, r0, r1, y, ldy);
         return;
     }
-#endif
+    /* Each thread's panels: 16 vectors of integers and 2 of floats per block (72 KiB), kept between calls. */
+    static _Thread_local __m256i mem[BG_NV][BG_KC * 18];
+    bg_panel panel[BG_NV];
+    for (int v = 0; v < BG_NV; v++) {
+        panel[v].ints = mem[v];
+        panel[v].a = (__m256 *)(void *)(mem[v] + 16 * BG_KC);
+        panel[v].b = panel[v].a + BG_KC;
+    }
+    /* Activation rows per pass: about 256 KiB of the blocks that one panel meets. */
+    const ptrdiff_t slice = w->k / 32 < BG_KC ? rb : BG_KC * (64 + 8);
+    const ptrdiff_t per = bq_cols_per_pass(slice, 262144);
+    for (ptrdiff_t c0 = 0; c0 < m; c0 += per) gemm(w, qx, rb, c0, c0 + per < m ? c0 + per : m, r0, r1, y, ldy, panel);
+#else
     const ptrdiff_t per = bq_cols_per_pass(rb, 65536);
     for (ptrdiff_t c0 = 0; c0 < m; c0 += per) run(w, qx, rb, c0, c0 + per < m ? c0 + per : m, r0, r1, y, ldy);
+#endif
 }
