@@ -1038,8 +1038,8 @@ BASERT_ALWAYS_INLINE void bt_q4_k(const int n, const int P, const int type, cons
 }
 
 /* The same for Q6_K (A = d): ql's low nibbles (sub-blocks 0, 1 of each half of the super-block) or high ones (2, 3)
- * joined to qh's two bits 2 * (sub % 4); each unit's 16-bit products (at most 2 * 63 * 128) widened by madd with the
- * scale of their 16 values (the sign-extended scales of each sub-block in the 16-bit halves of its pair); then 32
+ * joined to qh's two bits 2 * (sub % 4); the 16-bit products of each pair of units widened by madd with the scale of
+ * their 16 values (the sign-extended scales of each sub-block in the 16-bit halves of its pair); then 32
  * times the scales times the activation's sums of 16 (s16) taken off. */
 BASERT_ALWAYS_INLINE void bt_q6_k(const int n, const int P, const bt_tile *t, const bt_group *grp, __m256 *acc) {
     const int rows = n * P;
@@ -1078,14 +1078,19 @@ BASERT_ALWAYS_INLINE void bt_q6_k(const int n, const int P, const bt_tile *t, co
                 /* The scale of these 16 values in both 16-bit halves of each row's lane. */
                 const __m256i scale = hc ? _mm256_blend_epi16(pair, _mm256_srli_epi32(pair, 16), 0x55)
                                          : _mm256_blend_epi16(pair, _mm256_slli_epi32(pair, 16), 0xAA);
-                #pragma GCC unroll 4
-                for (int u = 0; u < 4; u++) {
-                    const __m256i v = _mm256_or_si256(bt_field(bt_packed_unit(ql, 16 * hc, u), nibble, 0, 15),
-                                                      bt_field(bt_packed_unit(qh, 16 * hc, u), high, 4, 48));
+                #pragma GCC unroll 2
+                for (int u = 0; u < 4; u += 2) {
+                    __m256i v[2];
+                    #pragma GCC unroll 2
+                    for (int e = 0; e < 2; e++)
+                        v[e] = _mm256_or_si256(bt_field(bt_packed_unit(ql, 16 * hc, u + e), nibble, 0, 15),
+                                               bt_field(bt_packed_unit(qh, 16 * hc, u + e), high, 4, 48));
+                    /* Two units' products in 16 bits (at most 2 * 2 * 63 * 128), then widened with their scale. */
                     #pragma GCC unroll 8
                     for (int i = 0; i < rows; i++)
-                        total[i] = bt_keep(_mm256_add_epi32(total[i], _mm256_madd_epi16(_mm256_maddubs_epi16(
-                            v, bt_broadcast(a + bt_tile_at(rows, 4 * hc + u, i))), scale)));
+                        total[i] = bt_keep(_mm256_add_epi32(total[i], _mm256_madd_epi16(_mm256_add_epi16(
+                            _mm256_maddubs_epi16(v[0], bt_broadcast(a + bt_tile_at(rows, 4 * hc + u, i))),
+                            _mm256_maddubs_epi16(v[1], bt_broadcast(a + bt_tile_at(rows, 4 * hc + u + 1, i)))), scale)));
                 }
             }
             const ptrdiff_t b = 8 * sb + sub;
