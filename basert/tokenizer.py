@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import array
+import itertools
 import json
 import re
+import threading
 import warnings
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -84,7 +87,7 @@ class Tokenizer:
 
     __slots__ = (
         "_hf",
-        "_plain",
+        "_encoding",
         "_token_bytes",
         "_add_bos",
         "vocab_size",
@@ -115,9 +118,10 @@ class Tokenizer:
         self.chat_template = chat_template
         added = hf.get_added_tokens_decoder()
         self.special_ids: frozenset[int] = frozenset(i for i, token in added.items() if token.special)
-        # The same tokenizer reading special-token text as plain text (non-special added tokens still match), made
-        # on first use: copying a vocabulary of 262,144 pieces and their merges takes seconds.
-        self._plain: HFTokenizer | None = None
+        # encode() switches the tokenizer between reading special-token text as special tokens and as plain text
+        # (a second tokenizer for the plain reading would double the memory a vocabulary of 150k pieces takes);
+        # the lock keeps one encoding's switch from another's.
+        self._encoding = threading.Lock()
         # Longest first, so that of two special texts starting at one place the longer wins, as in `tokenizers`;
         # with no special tokens the pattern matches nothing.
         texts = sorted((added[i].content for i in self.special_ids), key=len, reverse=True)
@@ -154,18 +158,12 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; special-token text in it counts as one token each unless `parse_special` is false."""
-        hf = self._hf if parse_special else self._plain_tokenizer()
-        ids = hf.encode(text, add_special_tokens=False).ids
+        with self._encoding:
+            self._hf.encode_special_tokens = not parse_special
+            ids = self._hf.encode(text, add_special_tokens=False).ids
         if add_special and self._add_bos:
             ids.insert(0, self.bos_id)
         return ids
-
-    def _plain_tokenizer(self) -> HFTokenizer:
-        if self._plain is None:
-            plain = HFTokenizer.from_str(self._hf.to_str())
-            plain.encode_special_tokens = True
-            self._plain = plain
-        return self._plain
 
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         """The text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
@@ -173,9 +171,7 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for; ids the vocabulary lacks stand for none, as in `decode`."""
-        if 0 <= token_id < len(self._token_bytes):
-            return self._token_bytes[token_id]
-        return b""
+        return self._token_bytes.get(token_id)
 
     def id_to_piece(self, token_id: int) -> str:
         """The token's string as the vocabulary spells it (byte-level form for BPE tokens)."""
@@ -196,17 +192,35 @@ class Tokenizer:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def _token_bytes_table(
-    hf: HFTokenizer, vocab_size: int, added: dict[int, AddedToken], byte_level: bool
-) -> tuple[bytes, ...]:
-    table = []
+class TokenBytes:
+    """Every token's bytes in one buffer, with the offset where each starts: a tuple of 150k bytes objects would
+    take 7 MiB, this a seventh of that."""
+
+    __slots__ = ("_buffer", "_offsets")
+
+    def __init__(self, pieces: list[bytes]):
+        self._buffer = b"".join(pieces)
+        self._offsets = array.array("q", itertools.accumulate(map(len, pieces), initial=0))
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def get(self, token_id: int) -> bytes:
+        """The token's bytes; none for an id outside the table."""
+        if not 0 <= token_id < len(self):
+            return b""
+        return self._buffer[self._offsets[token_id]: self._offsets[token_id + 1]]
+
+
+def _token_bytes_table(hf: HFTokenizer, vocab_size: int, added: dict[int, AddedToken], byte_level: bool) -> TokenBytes:
+    pieces = []
     for token_id in range(vocab_size):
         if token_id in added:
-            table.append(added[token_id].content.encode("utf-8"))
+            pieces.append(added[token_id].content.encode("utf-8"))
             continue
         piece = hf.id_to_token(token_id)
-        table.append(b"" if piece is None else _piece_bytes(piece, byte_level))
-    return tuple(table)
+        pieces.append(b"" if piece is None else _piece_bytes(piece, byte_level))
+    return TokenBytes(pieces)
 
 
 def _piece_bytes(piece: str, byte_level: bool) -> bytes:

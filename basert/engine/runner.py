@@ -127,6 +127,7 @@ class ModelRunner:
         window-layer KV a sequence keeps (max_context: all of them)."""
         self.exact = mm.get_exact() if exact is None else exact
         self.base = BaseFile(path, verify_checksums=verify_checksums)
+        self.base.pop_tokenizer()   # the runner computes; the engine builds its tokenizer from a read of its own
         default = mm.get_exact()
         mm.set_exact(self.exact)
         try:

@@ -26,15 +26,17 @@ class DecoderLayer:
     def __call__(self, x: np.ndarray, batch: Batch, kv: KVTensors, ws: Workspace) -> None:
         t = x.shape[0]
         h = self.input_norm(x, ws.get("layer.h", t, self.hidden))
-        delta = ws.get("layer.delta", t, self.hidden)
+        # Both mixers read all of their input before they write their output, which therefore goes over it; so
+        # does the MLP, a chunk of rows at a time. The MoE block zeroes its output first: it needs one of its own.
         if isinstance(self.mixer, Attention):
-            self.mixer(h, batch, kv, ws, delta)
+            self.mixer(h, batch, kv, ws, h)
         else:
-            self.mixer(h, batch, ws, delta)
-        np.add(x, delta, out=x)
+            self.mixer(h, batch, ws, h)
+        np.add(x, h, out=x)
         h = self.post_attn_norm(x, h)
-        self.feed_forward(h, ws, delta)
-        np.add(x, delta, out=x)
+        out = h if isinstance(self.feed_forward, MLP) else ws.get("layer.delta", t, self.hidden)
+        self.feed_forward(h, ws, out)
+        np.add(x, out, out=x)
 
 
 def rope_for(config: DecoderConfig, max_pos: int) -> RopeTables:
