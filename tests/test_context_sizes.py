@@ -120,7 +120,8 @@ def test_an_engine_gets_what_was_planned(smollm2_base: Path, smollm2_config):
         engine.close()
 
 
-@pytest.mark.parametrize(("k", "v"), [("f16", "f16"), ("q8_0", "q8_0"), ("bf16", "q8_0")])
+@pytest.mark.parametrize(("k", "v"), [("f16", "f16"), pytest.param("q8_0", "q8_0", marks=pytest.mark.slow),
+                                      pytest.param("bf16", "q8_0", marks=pytest.mark.slow)])
 def test_the_planned_bytes_are_the_pool_bytes_on_every_family(tiny_f32_bases: dict[str, Path], gemma3_base: Path,
                                                               k: str, v: str):
     """The plan counts a token's KV from the config (hybrids keep KV in their full-attention layers only; Gemma 3's

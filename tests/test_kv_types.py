@@ -82,7 +82,7 @@ def test_smollm2_over_a_smaller_kv_type_follows_f16_kv(smollm2_base: Path, fixtu
             runner.close()
 
 
-@pytest.mark.parametrize("kv", ["q8_0", "bf16"])
+@pytest.mark.parametrize("kv", ["q8_0", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_drafts_verified_over_a_kv_type_give_the_plain_tokens(smollm2_base: Path, kv: str):
     """Verification writes drafted rows into the cache and truncates the rejected ones: in a quantized cache too the
     accepted tokens are the ones plain decoding gives."""

@@ -85,6 +85,7 @@ def test_every_model_of_the_directory_is_listed_and_the_named_one_loaded(one_at_
     assert "smollm2" in aliases["HuggingFaceTB/SmolLM2-135M-Instruct"]
 
 
+@pytest.mark.slow
 def test_alternating_requests_load_and_unload_without_mixing_models(one_at_a_time: ServerProcess):
     url = one_at_a_time.url
     first = {model: complete(url, model) for model in (SMOLLM2, HYBRID)}
@@ -290,6 +291,7 @@ def test_concurrent_requests_for_two_models_all_succeed_unmixed(one_at_a_time: S
     assert all(text == expected[model] for model, text in answers)
 
 
+@pytest.mark.slow
 def test_a_waiting_load_is_not_starved_by_new_requests_for_the_loaded_model(one_at_a_time: ServerProcess):
     """While a load waits for the loaded model to become idle, later requests for the loaded model queue behind it:
     the model asked for first is answered first."""

@@ -159,6 +159,7 @@ def test_concurrent_long_prompts_in_small_steps(gemma3_ids_base: Path, fresh):
         engine.close()
 
 
+@pytest.mark.slow
 def test_a_snapshot_holds_the_window_and_restores_exactly(gemma3_ids_base: Path, fresh, tmp_path: Path):
     """A slot snapshot keeps the window layers' rows of the last window only; restored into a fresh engine it
     continues as a fresh engine computes the whole conversation."""
