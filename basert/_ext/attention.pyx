@@ -35,41 +35,14 @@ cdef extern from "attention.h" nogil:
                             int k_type, int v_type, const int32_t *block_table, Py_ssize_t block_rows, Py_ssize_t d,
                             float scale, float *scratch, float *const *out)
 
-cdef extern from *:
-    """
-    /* Scratch kept from one attention call to the next (grown, never shrunk), so that a decode step
-     * allocates nothing. A call made while another thread holds it gets a buffer of its own. */
-    static float *basert_attn_pool = NULL;
-    static size_t basert_attn_pool_floats = 0;
-    static char basert_attn_pool_busy = 0;
+cdef extern from "scratch.h" nogil:
+    ctypedef struct basert_scratch_pool:
+        pass
+    void *basert_scratch_take(basert_scratch_pool *pool, size_t n, int *owned)
+    void basert_scratch_give(basert_scratch_pool *pool, void *scratch, int owned)
 
-    static float *basert_attn_scratch_take(size_t n, int *owned) {
-        if (!__atomic_test_and_set(&basert_attn_pool_busy, __ATOMIC_ACQUIRE)) {
-            if (basert_attn_pool_floats < n) {
-                size_t grown = n + n / 2;
-                free(basert_attn_pool);
-                basert_attn_pool = (float *)malloc(grown * sizeof(float));
-                basert_attn_pool_floats = basert_attn_pool ? grown : 0;
-            }
-            if (basert_attn_pool) {
-                *owned = 0;
-                return basert_attn_pool;
-            }
-            __atomic_clear(&basert_attn_pool_busy, __ATOMIC_RELEASE);
-        }
-        *owned = 1;
-        return (float *)malloc(n * sizeof(float));
-    }
-
-    static void basert_attn_scratch_give(float *scratch, int owned) {
-        if (owned)
-            free(scratch);
-        else
-            __atomic_clear(&basert_attn_pool_busy, __ATOMIC_RELEASE);
-    }
-    """
-    float *basert_attn_scratch_take(size_t n, int *owned) nogil
-    void basert_attn_scratch_give(float *scratch, int owned) nogil
+# Attention's scratch, kept from one call to the next so that a decode step allocates nothing.
+cdef basert_scratch_pool _scratch
 
 
 cdef int _check_cache(k_cache, v_cache, Py_ssize_t d, bint writable, int *k_type, int *v_type) except -1:
@@ -301,7 +274,8 @@ def attention_batch(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[:,
     cdef Py_ssize_t per_thread = BASERT_ATTN_ROWS_SCRATCH(BASERT_ATTN_MAX_ROWS, d)
     cdef Py_ssize_t parts_floats = n_units * BASERT_ATTN_MAX_ROWS * pl.max_seg * (d + 2)
     cdef int owned
-    cdef float *scratch = basert_attn_scratch_take(2 * n_tiles + nt * per_thread + parts_floats, &owned)
+    cdef float *scratch = <float *> basert_scratch_take(&_scratch, (2 * n_tiles + nt * per_thread + parts_floats) * sizeof(float),
+                                                        &owned)
     if scratch == NULL:
         raise MemoryError(f"no memory for attention scratch over {n_max} positions")
     cdef int32_t *tile_seq = <int32_t *> scratch
@@ -341,7 +315,7 @@ def attention_batch(const float[:, :, ::1] q, k_cache, v_cache, const int32_t[:,
                     _attend_unit_segment(&pl, i % n_units, i // n_units, thread_scratch + threadid() * per_thread)
                 for u in prange(n_units, schedule="static"):
                     _merge_unit(&pl, u)
-        basert_attn_scratch_give(scratch, owned)
+        basert_scratch_give(&_scratch, scratch, owned)
 
 
 SEGMENT = BASERT_ATTN_SEGMENT

@@ -118,11 +118,22 @@ def get_exact():
 ACT_MAX = {8: BASERT_ACT8, 16: BASERT_ACT16}
 
 
+cdef extern from "scratch.h" nogil:
+    ctypedef struct basert_scratch_pool:
+        pass
+    void *basert_scratch_take(basert_scratch_pool *pool, size_t n, int *owned)
+    void basert_scratch_give(basert_scratch_pool *pool, void *scratch, int owned)
+
+# The quantized rows' buffer, kept from one matmul to the next.
+cdef basert_scratch_pool _rows_pool
+
+
 cdef class QuantizedRows:
     """x [M, K] quantized per block of 32 (matmul.h's records) to codes of `bits` (8 or 16) bits, in a 64-byte
-    aligned buffer of its own."""
+    aligned buffer (the pool's while no other QuantizedRows holds it, else one of its own)."""
 
     cdef uint8_t *data
+    cdef int owned
     cdef readonly Py_ssize_t m, k, row_bytes
 
     def __cinit__(self, const float[:, ::1] x, int bits=8):
@@ -133,7 +144,7 @@ cdef class QuantizedRows:
             raise ValueError(f"activations take 8 or 16 bits, not {bits}")
         cdef int qmax = ACT_MAX[bits]
         self.row_bytes = basert_qrow_bytes(self.k)
-        self.data = <uint8_t *>aligned_alloc(64, max(1, self.m * self.row_bytes))
+        self.data = <uint8_t *>basert_scratch_take(&_rows_pool, self.m * self.row_bytes, &self.owned)
         if self.data == NULL:
             raise MemoryError()
         cdef Py_ssize_t i, rb = self.row_bytes, k = self.k
@@ -144,7 +155,8 @@ cdef class QuantizedRows:
                     basert_quantize_rows(&x[i, 0], k, 1, k, qmax, self.data + i * rb)
 
     def __dealloc__(self):
-        free(self.data)
+        if self.data != NULL:
+            basert_scratch_give(&_rows_pool, self.data, self.owned)
 
     def parts(self):
         """(codes int16 [M, K] in record order, scales float32 [M, K/32], block sums float32 [M, K/32]): copies,
