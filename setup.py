@@ -89,12 +89,15 @@ def common_flags() -> tuple[list[str], list[str]]:
 
 
 def headers(path: Path, seen: set[Path] | None = None) -> set[Path]:
-    """The basert/_ext headers that a .pyx, .c or .h file uses, directly or through another header (an #include is
-    looked for next to the file, then in basert/_ext)."""
+    """The basert/_ext headers and .pxd files that a .pyx, .pxd, .c or .h file uses, directly or through another (an
+    #include is looked for next to the file, then in basert/_ext; a cimport from basert._ext is its .pxd)."""
     seen = set() if seen is None else seen
-    for name in re.findall(r'(?:extern from|#include) "([^"]+\.h)"', path.read_text()):
-        header = next((folder / name for folder in (path.parent, EXT_DIR) if (folder / name).exists()), None)
-        if header is not None and header not in seen:
+    text = path.read_text()
+    found = [next((folder / name for folder in (path.parent, EXT_DIR) if (folder / name).exists()), None)
+             for name in re.findall(r'(?:extern from|#include) "([^"]+\.h)"', text)]
+    found += [EXT_DIR / f"{name}.pxd" for name in re.findall(r"from basert\._ext\.(\w+) cimport", text)]
+    for header in found:
+        if header is not None and header.exists() and header not in seen:
             seen.add(header)
             headers(header, seen)
     return seen

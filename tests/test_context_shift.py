@@ -163,6 +163,7 @@ def chat(url: str, messages: list[dict], max_tokens: int, **fields) -> dict:
     return response.json()
 
 
+@pytest.mark.slow
 def test_a_conversation_driven_past_the_context_keeps_its_system_prompt(smollm2_base: Path, tmp_path: Path):
     """Three slots at once: one conversation grows far past its context and still answers from its system prompt
     (the n_keep tokens it keeps); the other two get the answers a server without context shift gives."""

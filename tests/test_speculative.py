@@ -187,7 +187,7 @@ def test_batched_requests_with_the_prefix_cache(model_path: Path):
     {"stop": ("import",)},
     {"sampling": SamplingParams(temperature=0, repeat_penalty=1.3, repeat_last_n=32, presence_penalty=0.4,
                                 frequency_penalty=0.2, logprobs=True, top_logprobs=3)},
-    {"max_tokens": 5},
+    pytest.param({"max_tokens": 5}, marks=pytest.mark.slow),
 ], ids=["stop-string", "penalties", "max-tokens"])
 def test_stops_limits_and_penalties_behave_as_without(smollm2_base: Path, fields: dict):
     results = []

@@ -35,11 +35,7 @@ cdef extern from "attention.h" nogil:
                             int k_type, int v_type, const int32_t *block_table, Py_ssize_t block_rows, Py_ssize_t d,
                             float scale, float *scratch, float *const *out)
 
-cdef extern from "scratch.h" nogil:
-    ctypedef struct basert_scratch_pool:
-        pass
-    void *basert_scratch_take(basert_scratch_pool *pool, size_t n, int *owned)
-    void basert_scratch_give(basert_scratch_pool *pool, void *scratch, int owned)
+from basert._ext.scratch cimport basert_scratch_give, basert_scratch_pool, basert_scratch_take
 
 # Attention's scratch, kept from one call to the next so that a decode step allocates nothing.
 cdef basert_scratch_pool _scratch

@@ -118,11 +118,7 @@ def get_exact():
 ACT_MAX = {8: BASERT_ACT8, 16: BASERT_ACT16}
 
 
-cdef extern from "scratch.h" nogil:
-    ctypedef struct basert_scratch_pool:
-        pass
-    void *basert_scratch_take(basert_scratch_pool *pool, size_t n, int *owned)
-    void basert_scratch_give(basert_scratch_pool *pool, void *scratch, int owned)
+from basert._ext.scratch cimport basert_scratch_give, basert_scratch_pool, basert_scratch_take
 
 # The quantized rows' buffer, kept from one matmul to the next.
 cdef basert_scratch_pool _rows_pool
