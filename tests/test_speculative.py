@@ -88,11 +88,14 @@ def repeating_prompt(engine: Engine, seed: int = 0) -> list[int]:
 
 
 # Gemma 3 (its 262k vocabulary and sliding windows) under -m slow: the default run keeps the dense, hybrid and MoE
-# families within its minutes.
-@pytest.fixture(params=["smollm2", pytest.param("gemma3", marks=pytest.mark.slow), "qwen3_5-tiny", "qwen3_5_moe-tiny"])
+# families within its minutes. Qwen2.5-Coder-1.5B, a real model at a real size, under -m qwen_coder (its extra).
+@pytest.fixture(params=["smollm2", pytest.param("gemma3", marks=pytest.mark.slow), "qwen3_5-tiny", "qwen3_5_moe-tiny",
+                        pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.qwen_coder)])
 def model_path(request, smollm2_base: Path, tiny_f32_bases: dict[str, Path]) -> Path:
     if request.param == "gemma3":
         return request.getfixturevalue("gemma3_base")
+    if request.param == "qwen2.5-coder-1.5b":
+        return request.getfixturevalue("qwen_coder_base")
     return smollm2_base if request.param == "smollm2" else tiny_f32_bases[request.param]
 
 

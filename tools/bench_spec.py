@@ -3,11 +3,12 @@
     python tools/bench_spec.py [--model M ...] [--rounds 3] [--threads N] [--json bench_spec.json]
     LLAMA_SERVER=/path/to/llama-server python tools/bench_spec.py --gguf MODEL.gguf   # llama-server beside
 
-The workloads (tools/spec_workloads/workloads.json, committed): (a) `tool_calls`, tool calls whose arguments copy
-paths and quoted code from the conversation; (b) `code_edit`, a ~300-line Python file returned with one name
-changed (the first max_tokens of it); (c) `extraction`, a JSON-schema constrained extraction that quotes its
-source; (d) `prose`, a story, the control whose text does not repeat its context. Each is sent as a chat
-completion (temperature 0, streamed) to a `basert serve` with speculative decoding (its default) and to one
+The workloads (tools/spec_workloads/workloads.json, committed; a message's `{NAME.txt}` is the text of that file
+beside it): (a) `tool_calls`, an agent's next tool call after it read three files (`tool_choice` required, one
+call), its arguments copying a path and quoted code from them; (b) `code_edit`, a ~300-line Python file returned
+with one name changed (the first max_tokens of it); (c) `extraction`, a JSON-schema constrained extraction that
+quotes its source; (d) `prose`, a story, the control whose text does not repeat its context. Each is sent as a
+chat completion (temperature 0, streamed) to a `basert serve` with speculative decoding (its default) and to one
 with `--no-spec`, alternating, `--rounds` times, each round on freshly started servers (so that no draft comes
 from an earlier round's answer to the same workload): single stream (each workload alone, in the order above),
 then `--concurrent` (4) copies of the code edit at once.
@@ -43,11 +44,13 @@ WORKLOADS = Path(__file__).resolve().parent / "spec_workloads"
 
 
 def load_workloads() -> dict[str, dict]:
+    """The workloads, each message's `{NAME.txt}` replaced by the text of that file of the workloads' folder."""
     workloads = json.loads((WORKLOADS / "workloads.json").read_text())
-    source = (WORKLOADS / "edit_source.py.txt").read_text()
+    texts = {f"{{{path.name}}}": path.read_text() for path in WORKLOADS.glob("*.txt")}
     for workload in workloads.values():
         for message in workload["messages"]:
-            message["content"] = message["content"].replace("{edit_source}", source)
+            for placeholder, text in texts.items():
+                message["content"] = message["content"].replace(placeholder, text)
     return workloads
 
 
@@ -65,7 +68,7 @@ class Stream:
 async def stream_chat(client: httpx.AsyncClient, url: str, workload: dict) -> Stream:
     body = {"model": "default", "messages": workload["messages"], "temperature": 0, "stream": True,
             "max_tokens": workload["max_tokens"], "stream_options": {"include_usage": True}}
-    for field in ("tools", "response_format"):
+    for field in ("tools", "tool_choice", "parallel_tool_calls", "response_format"):
         if field in workload:
             body[field] = workload[field]
     stream = Stream()
@@ -141,8 +144,9 @@ def main() -> int:
     parser.add_argument("--gguf", type=Path, help="the same weights as a GGUF, for llama-server")
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                         help="path of llama-server (default: $LLAMA_SERVER; none: basert only)")
-    parser.add_argument("--llama-spec-types", default="ngram-simple,ngram-map-k",
+    parser.add_argument("--llama-spec-types", default="ngram-simple,ngram-mod,ngram-map-k",
                         help="llama-server --spec-type values to try (comma-separated)")
+    parser.add_argument("--llama-rounds", type=int, help="rounds of each llama-server configuration (default --rounds)")
     parser.add_argument("--json", type=Path, default=Path("bench_spec.json"))
     args = parser.parse_args()
     if args.llama_server and not args.gguf:
@@ -168,7 +172,7 @@ def main() -> int:
                 server = LlamaServer(args.llama_server, args.gguf, args.threads, flags,
                                      Path(logs) / f"{flags_name.replace(' ', '_')}.log")
                 try:
-                    for _ in range(args.rounds):
+                    for _ in range(args.llama_rounds or args.rounds):
                         for test, rate in measure(server.url, workloads, args.concurrent).items():
                             runs.setdefault(flags_name, {}).setdefault(test, []).append(rate)
                 finally:
