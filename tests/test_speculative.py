@@ -5,6 +5,7 @@ tried and accepted. Then the drafter on its own, and the server's fields and fla
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ from basert.chat.grammar import GrammarFactory
 from basert.engine.build import EngineOptions, build_engine
 from basert.engine.drafts import (
     FIRST_PROBE,
+    FORCED_BAND,
     MATCH_BANDS,
     NGRAM_SIZES,
     PRIOR_EXTRA_COST,
@@ -23,6 +25,7 @@ from basert.engine.drafts import (
     SharedNgrams,
     StepCosts,
     band_of,
+    draft_lengths,
 )
 from basert.engine.engine import Engine
 from basert.engine.sampler import SamplingParams
@@ -225,6 +228,29 @@ def test_grammar_forbidden_drafts_end_the_accepted_run(smollm2_base: Path):
     assert drafted(results[1])[0] > 0
 
 
+def test_the_text_a_grammar_forces_is_drafted(smollm2_base: Path):
+    """A schema whose keys the prompt never mentions: the keys are drafted as the grammar forces them, accepted, and
+    the output is the same as without drafts."""
+    keys = ("customer_full_name", "shipping_address_first_line", "order_reference_number")
+    schema = {"type": "object", "properties": {key: {"type": "string", "maxLength": 12} for key in keys},
+              "required": list(keys)}
+    results = []
+    for draft_max in (0, 8):
+        engine = engine_for(smollm2_base, draft_max)
+        try:
+            factory = GrammarFactory(engine.tokenizer)
+            matcher = factory.matcher(factory.json_schema(schema))
+            prompt = engine.tokenizer.encode("Write an order as JSON.\n")
+            results.append(run(engine, [GenerationRequest("r0", prompt, 96, GREEDY, constraint=matcher)]))
+            text = engine.tokenizer.decode(results[-1]["r0"][0])
+        finally:
+            engine.close()
+    same_outputs(*results)
+    assert all(f'"{key}":' in text for key in keys), text
+    n_drafted, n_accepted = drafted(results[1])
+    assert n_accepted >= len(keys)
+
+
 def test_a_request_can_turn_drafts_off(smollm2_base: Path):
     engine = engine_for(smollm2_base, 8)
     try:
@@ -252,6 +278,19 @@ def test_drafter_proposes_what_followed_the_longest_suffix():
     assert drafter.propose(history[:-1], history[-1], room=8) == [5, 6, 9, 2, 3, 4]
     assert drafter.propose(history + [5, 6, 9, 2], 3, room=8) == [4, 5, 6, 9, 2, 3]
     assert drafter.propose(history + [5, 6, 9, 2, 3], 4, room=2) == [5, 6]
+
+
+def test_forced_tokens_are_drafted_unless_the_history_offers_them_and_more():
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    # The history continues 4 5 6 7 ...; the grammar forces 4 5: the history's longer draft, which agrees.
+    drafter = Drafter(8, None, step_costs(0.0))
+    assert drafter.candidate(history[:-1], history[-1], room=8, forced=[4, 5]) == [4, 5, 6, 7, 8, 1, 2, 3]
+    assert drafter.rate == drafter.acceptance(band_of(3))
+    # The grammar forces 9 9: those, counted in their own band.
+    drafter = Drafter(8, None, step_costs(0.0))
+    assert drafter.candidate(history[:-1], history[-1], room=8, forced=[9, 9, 9]) == [9, 9, 9]
+    assert drafter.rate == drafter.acceptance(FORCED_BAND) > drafter.acceptance(0)
+    assert Drafter(8, None, step_costs(0.0)).candidate([7], 6, room=2, forced=[9, 9, 9]) == [9, 9]
 
 
 def test_drafts_are_as_long_as_they_pay():
@@ -297,6 +336,31 @@ def test_a_longer_match_drafts_more():
     assert drafter.acceptance(len(MATCH_BANDS) - 1) < 0.5 and drafter.acceptance(0) == 0.5
 
 
+def test_a_steps_drafts_are_the_most_tokens_per_cost():
+    """draft_lengths against every choice of lengths: the same expected tokens per cost as the best of them, and
+    no draft where none pays."""
+    rng = np.random.default_rng(7)
+
+    def per_cost(rates, lengths, lanes, costs):
+        expected = lanes + sum(sum(rate ** j for j in range(1, k + 1)) for rate, k in zip(rates, lengths))
+        return expected / lanes / costs.ratio(lanes + sum(lengths), lanes)
+
+    for _ in range(40):
+        n = int(rng.integers(1, 4))
+        lanes = n + int(rng.integers(0, 3))
+        rates = [float(rate) for rate in rng.uniform(0.05, 0.99, n)]
+        most = [int(m) for m in rng.integers(0, 5, n)]
+        costs = step_costs(float(rng.uniform(0.02, 0.8)), most=lanes + sum(most))
+        lengths = draft_lengths(list(zip(rates, most)), lanes, costs)
+        assert all(0 <= k <= m for k, m in zip(lengths, most))
+        best = max(itertools.product(*(range(m + 1) for m in most)), key=lambda ks: per_cost(rates, ks, lanes, costs))
+        assert per_cost(rates, lengths, lanes, costs) == pytest.approx(max(1.0, per_cost(rates, best, lanes, costs)))
+        if per_cost(rates, best, lanes, costs) <= 1.0:
+            assert lengths == [0] * n
+    # Four decoding slots, one copying (accepted 19 times in 20) and three not: the drafts go to the copy.
+    assert draft_lengths([(0.95, 8), (0.2, 8), (0.2, 8), (0.2, 8)], 4, step_costs(0.1)) == [8, 0, 0, 0]
+
+
 def test_step_costs_fall_back_to_a_prior_until_measured():
     costs = StepCosts()
     assert costs.ratio(3, 1) == pytest.approx(1 + 2 * PRIOR_EXTRA_COST)
@@ -306,6 +370,13 @@ def test_step_costs_fall_back_to_a_prior_until_measured():
     costs.observe(3, 0.020)       # a running average
     assert 2.0 < costs.ratio(3, 1) < 3.0
     assert costs.ratio(1, 3) == 1.0
+    # Two tokens measured slower than three (at a slow moment of the machine): no dearer than three.
+    costs.observe(2, 0.050)
+    assert costs.ratio(2, 1) == costs.ratio(3, 1)
+    slow_first = StepCosts()
+    slow_first.observe(1, 0.050)
+    slow_first.observe(4, 0.030)
+    assert slow_first.ratio(4, 1) == 1.0
 
 
 def test_shared_ngrams_carry_one_requests_output_to_another():

@@ -264,6 +264,11 @@ class GrammarMatcher:
         if not self._matcher.consume_token(token_id):
             raise GrammarError(f"token {token_id} is not allowed here: {_first_line(self._matcher.get_error())}")
 
+    def forced(self) -> list[int]:
+        """The tokens of the text the grammar allows next and nothing else, as the tokenizer writes it (the model
+        may still write that text in other tokens); empty when the next text is not forced."""
+        return self._matcher.compute_ff_tokens()
+
     @property
     def is_finished(self) -> bool:
         """True once the output is complete and the grammar allows nothing more than EOS."""

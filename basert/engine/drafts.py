@@ -16,13 +16,17 @@ waits for memory and nearly their share where it computes), and the request's re
 predicts 1 + a + a^2 + ... + a^K tokens from it. The rate depends on how long a match the draft comes from: its source
 agrees with the history's last m tokens (m at least the n looked up), and the longer m, the likelier the text goes
 on as it did there (a copy in progress, not a common phrase), so acceptance is counted per band of m, each from its
-own prior. K is the draft length that gives the most tokens per unit of cost, and no draft when none gives more than
-decoding alone; such a request still probes with its best draft after 4, 8, ... 64 steps without one, so that text
-which starts repeating is noticed (text that never repeats pays at most a rare probe).
+own prior. The drafts of a step's decoding slots are chosen together (`draft_lengths`): the step's cost depends on all
+the tokens it feeds, so each drafted token goes where it is likeliest to be accepted, and the step drafts as many as
+give the most tokens per unit of cost, none when none gives more than decoding alone. A request that drafts nothing
+still probes with its best draft after 4, 8, ... 64 steps without one, so that text which starts repeating is
+noticed (text that never repeats pays at most a rare probe).
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -39,6 +43,10 @@ ACCEPTANCE_MEMORY = 0.8          # weight of the history in a request's acceptan
 # own prior of (accepted, rejected) counts.
 MATCH_BANDS = (0, 8, 16)
 MATCH_PRIORS = ((1.0, 1.0), (4.0, 1.0), (12.0, 1.0))
+# Tokens a grammar forces next (the only text it allows there, as the tokenizer writes it) are a band of their own:
+# the model may still write that text in other tokens.
+FORCED_BAND = len(MATCH_BANDS)
+FORCED_PRIOR = (12.0, 1.0)
 FIRST_PROBE = 4                  # steps without a draft before the first probe, doubling up to ...
 LAST_PROBE = 64
 
@@ -51,24 +59,57 @@ def band_of(match: int) -> int:
     return band
 
 
+def draft_lengths(candidates: Sequence[tuple[float, int]], lanes: int, costs: StepCosts) -> list[int]:
+    """How many tokens each candidate drafts in a step of `lanes` decoding slots: candidate i offers at most `most_i`
+    tokens, each accepted with chance `rate_i` after the ones before it, so its j-th drafted token adds rate_i ** j
+    expected tokens. The step yields `lanes` tokens without drafts; with d drafted tokens in all it costs
+    `costs.ratio(lanes + d, lanes)` times as much. For each d the best tokens to draft are the d with the largest
+    expected gains (each candidate's gains shrink token by token), taken one at a time; the d kept is the one with
+    the most expected tokens per cost, and none (all zeros) when no d gives more than decoding alone."""
+    lengths = [0] * len(candidates)
+    best, best_gain = list(lengths), 1.0
+    gains = [(-rate, index, rate) for index, (rate, most) in enumerate(candidates) if most > 0]
+    heapq.heapify(gains)
+    expected, drafted = float(lanes), 0
+    while gains:
+        gain, index, rate = heapq.heappop(gains)
+        expected -= gain
+        drafted += 1
+        lengths[index] += 1
+        if lengths[index] < candidates[index][1]:
+            heapq.heappush(gains, (gain * rate, index, rate))
+        per_cost = expected / lanes / costs.ratio(lanes + drafted, lanes)
+        if per_cost > best_gain:
+            best, best_gain = list(lengths), per_cost
+    return best
+
+
 class StepCosts:
-    """Seconds of a decoding step by the tokens it feeds (running averages), and what feeding more costs."""
+    """Seconds of a decoding step by the tokens it feeds (running averages), and what feeding more costs.
+
+    A step never costs more for feeding fewer tokens, but the averages of two sizes, each measured at its own
+    moments of a machine whose speed varies, can say otherwise: a size is taken to cost the least average of its own
+    and of every larger size measured."""
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
+        self._bounded: dict[int, float] = {}    # each measured size's least average over it and the larger ones
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step of decoding slots only fed `tokens` tokens in `seconds`."""
         old = self._seconds.get(tokens)
         self._seconds[tokens] = seconds if old is None else old + COST_MEMORY * (seconds - old)
+        least = math.inf
+        for size in sorted(self._seconds, reverse=True):
+            least = self._bounded[size] = min(least, self._seconds[size])
 
     def ratio(self, tokens: int, base: int) -> float:
         """Cost of a step of `tokens` tokens over one of `base` tokens (measured once both were seen)."""
         if tokens <= base:
             return 1.0
-        seconds = self._seconds
-        if tokens in seconds and base in seconds and seconds[base] > 0:
-            return max(seconds[tokens] / seconds[base], 1.0)
+        bounded = self._bounded
+        if tokens in bounded and base in bounded and bounded[base] > 0:
+            return max(bounded[tokens] / bounded[base], 1.0)
         return (1 + PRIOR_EXTRA_COST * (tokens - 1)) / (1 + PRIOR_EXTRA_COST * (base - 1))
 
 
@@ -117,31 +158,55 @@ class Drafter:
         self._history: list[int] = []
         self._after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
         # Decayed counts of accepted and rejected draft tokens per band of match length, from their priors.
-        self._counts = [list(prior) for prior in MATCH_PRIORS]
+        self._counts = [list(prior) for prior in (*MATCH_PRIORS, FORCED_PRIOR)]
         self._band = 0              # the band of the last draft proposed
         self._since_draft = 0       # steps since the last draft
         self._probe_every = FIRST_PROBE
 
     def acceptance(self, band: int = 0) -> float:
         """The chance that a drafted token is accepted, given that the ones before it were, for a draft whose
-        source matches the history over a length in `band`."""
+        source matches the history over a length in `band` (FORCED_BAND: tokens a grammar forces)."""
         accepted, rejected = self._counts[band]
         return accepted / (accepted + rejected)
 
     def propose(self, computed: Sequence[int], next_token: int, room: int, lanes: int = 1) -> list[int]:
         """The tokens to draft after the history (the tokens `computed` so far, then `next_token`; each call's
-        history extends the previous call's): at most `room`, chosen for a step of `lanes` decoding slots."""
+        history extends the previous call's): at most `room`, chosen for a step of `lanes` decoding slots of which
+        this is the only one drafting (`draft_lengths` chooses for several)."""
+        continuation = self.candidate(computed, next_token, room)
+        k = draft_lengths([(self.rate, len(continuation))], lanes, self.costs)[0] if continuation else 0
+        return self.settle(continuation, k, lanes)
+
+    def candidate(self, computed: Sequence[int], next_token: int, room: int, forced: Sequence[int] = ()) -> list[int]:
+        """The longest draft the history offers (see `propose`), each of its tokens accepted with chance `rate`
+        after the ones before it; where a grammar forces the `forced` tokens next and the history offers no draft
+        that starts with them, those tokens."""
         self._extend(computed, next_token)
-        continuation, match = self._continuation(min(room, self.draft_max))
+        limit = min(room, self.draft_max)
+        continuation, match = self._continuation(limit)
+        forced = list(forced[:limit])
+        if forced and continuation[: len(forced)] != forced:
+            continuation, self._band = forced, FORCED_BAND
+        elif continuation:
+            self._band = band_of(match)
+        return continuation
+
+    @property
+    def rate(self) -> float:
+        """The acceptance rate of the last candidate's tokens."""
+        return self.acceptance(self._band)
+
+    def settle(self, continuation: list[int], k: int, lanes: int) -> list[int]:
+        """The draft of a step: the first k tokens of the candidate `continuation`; with k = 0 (no draft pays), none,
+        or a probe with the draft length that pays best when one is due."""
         if not continuation:
             return []
-        self._band = band_of(match)
-        k, gain = self._best_length(len(continuation), lanes, self.acceptance(self._band))
         self._since_draft += 1
-        if gain <= 1.0:
+        if k == 0:
             if self._since_draft < self._probe_every:
                 return []
             self._probe_every = min(2 * self._probe_every, LAST_PROBE)
+            k = self._best_length(len(continuation), lanes, self.rate)
         self._since_draft = 0
         return continuation[:k]
 
@@ -155,17 +220,17 @@ class Drafter:
         if accepted:
             self._probe_every = FIRST_PROBE
 
-    def _best_length(self, most: int, lanes: int, rate: float) -> tuple[int, float]:
-        """The draft length up to `most` with the most expected tokens per cost when each token is accepted with
-        chance `rate` after the ones before it, and that ratio over decoding alone."""
-        best, best_gain, expected, term = 1, 0.0, 1.0, 1.0
+    def _best_length(self, most: int, lanes: int, rate: float) -> int:
+        """The draft length from 1 to `most` with the most expected tokens per cost in a step of `lanes` decoding
+        slots, when each token is accepted with chance `rate` after the ones before it."""
+        best, best_gain, expected, term = 1, 0.0, float(lanes), 1.0
         for k in range(1, most + 1):
             term *= rate
             expected += term
             gain = expected / self.costs.ratio(lanes + k, lanes)
             if gain > best_gain:
                 best, best_gain = k, gain
-        return best, best_gain
+        return best
 
     def _continuation(self, limit: int) -> tuple[list[int], int]:
         """Up to `limit` tokens that followed the longest matching suffix of the history, and how many of the

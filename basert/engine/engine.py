@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from basert.engine.drafts import DEFAULT_DRAFT_MAX, NGRAM_SIZES, Drafter, SharedNgrams, StepCosts
+from basert.engine.drafts import DEFAULT_DRAFT_MAX, NGRAM_SIZES, Drafter, SharedNgrams, StepCosts, draft_lengths
 from basert.engine.embeddings import POOLINGS, EmbeddingJob, check_inputs
 from basert.engine.info import ModelInfo
 from basert.engine.kv import BLOCK_SIZE, blocks_for
@@ -223,42 +223,48 @@ class Engine:
         return plan_step(self.prepare_step(), self.slots.available_blocks(), self.token_budget)
 
     def prepare_step(self) -> list[SlotStatus]:
-        """Let prefilling slots catch up with the prefix cache, then report every busy slot for planning."""
-        statuses = []
-        lanes = sum(slot.running is not None and not slot.running.pending for slot in self.slots)
-        for slot in self.slots:
-            running = slot.running
-            if running is None:
-                continue
+        """Let prefilling slots catch up with the prefix cache, choose the decoding slots' drafts, then report every
+        busy slot for planning."""
+        busy = [slot for slot in self.slots if slot.running is not None]
+        for slot in busy:
             self.slots.catch_up(slot)
-            seq = slot.sequence
-            max_chunk = 0
+        self._choose_drafts([slot for slot in busy if not slot.running.pending])
+        statuses = []
+        for slot in busy:
+            running, seq = slot.running, slot.sequence
+            max_chunk = 1 + len(running.draft)
             if running.pending:
                 max_chunk = len(running.pending)
                 for stop in running.stops:
                     if stop > seq.n_past:
                         max_chunk = min(max_chunk, stop - seq.n_past)
                         break
-            else:
-                running.draft = self._draft(slot, lanes)
-                max_chunk = 1 + len(running.draft)
             statuses.append(SlotStatus(slot.index, not running.pending, max_chunk, seq.n_past,
                                        seq.block_table.n_blocks, running.order, self.slots.waits_for_prefix(slot)))
         return statuses
 
-    def _draft(self, slot: Slot, lanes: int) -> list[int]:
-        """The tokens to try after a decoding slot's next token, in a step of `lanes` decoding slots: none beyond
+    def _choose_drafts(self, decoding: list[Slot]) -> None:
+        """The tokens each decoding slot tries after its next token, chosen together (`draft_lengths`): none beyond
         the context, the request's token limit or the step's token budget."""
-        running = slot.running
-        if running.drafter is None:
-            return []
-        seq = slot.sequence
-        # The last position verified is the context's last but one: a token sampled there is the last the context
-        # holds (a context shift or the end comes after it, as without drafts).
-        room = min(self.runner.max_context - seq.n_past - 2,
-                   running.request.max_tokens - len(running.output.generated) - 1,
-                   self.token_budget - 1)
-        return running.drafter.propose(seq.tokens, running.next_token, room, lanes)
+        offers = []
+        for slot in decoding:
+            running, seq = slot.running, slot.sequence
+            running.draft = []
+            if running.drafter is None:
+                continue
+            # The last position verified is the context's last but one: a token sampled there is the last the
+            # context holds (a context shift or the end comes after it, as without drafts).
+            room = min(self.runner.max_context - seq.n_past - 2,
+                       running.request.max_tokens - len(running.output.generated) - 1,
+                       self.token_budget - 1)
+            constraint = running.request.constraint
+            forced = constraint.forced() if constraint is not None else ()
+            offers.append((running.drafter, running.drafter.candidate(seq.tokens, running.next_token, room, forced),
+                           slot))
+        lengths = draft_lengths([(drafter.rate, len(offer)) for drafter, offer, _ in offers], len(decoding),
+                                self.step_costs)
+        for (drafter, offer, slot), k in zip(offers, lengths):
+            slot.running.draft = drafter.settle(offer, k, len(decoding))
 
     def step(self, plan: StepPlan) -> list[Event]:
         """Carry out one plan: finish starved slots, preempt, then one forward over the planned chunks."""
