@@ -291,6 +291,7 @@ def test_forced_tokens_are_drafted_unless_the_history_offers_them_and_more():
     assert drafter.candidate(history[:-1], history[-1], room=8, forced=[9, 9, 9]) == [9, 9, 9]
     assert drafter.rate == drafter.acceptance(FORCED_BAND) > drafter.acceptance(0)
     assert Drafter(8, None, step_costs(0.0)).candidate([7], 6, room=2, forced=[9, 9, 9]) == [9, 9]
+    assert Drafter(8, None, step_costs(0.0)).candidate([7], 6, room=-1, forced=[9, 9, 9]) == []
 
 
 def test_drafts_are_as_long_as_they_pay():

@@ -15,9 +15,11 @@ then `--concurrent` (4) copies of the code edit at once.
 
 Per request the decode rate is (completion tokens - 1) / (last chunk - first chunk) on the client; for the
 concurrent batch the aggregate is the sum of those tokens over (last chunk of any stream - first chunk of any).
-The table gives medians over the rounds and the ratio on / off. With LLAMA_SERVER set (and --gguf, the same
-weights as a GGUF), llama-server runs the same workloads without speculation and with each --spec-type of
-`--llama-spec-types`, and the table adds its ratios: the speedup of its best type beside ours.
+The table gives the medians of the rates over the rounds and the median of the rounds' ratios on / off (each
+round's two servers measured back to back: the machine's speed drifts between rounds). With LLAMA_SERVER set (and
+--gguf, the same weights as a GGUF), llama-server runs the same workloads without speculation and with each
+--spec-type of `--llama-spec-types`, `--llama-rounds` times each, and the table adds its ratios: the speedup of its
+best type beside ours.
 """
 
 from __future__ import annotations
@@ -187,17 +189,19 @@ def main() -> int:
         header += " llama.cpp off | best ngram type | llama.cpp ratio | ratio of ratios |"
     print(header)
     print("|" + " --- |" * (header.count("|") - 1))
+    ratios = {test: statistics.median(on / off for on, off in zip(runs["on"][test], runs["off"][test]))
+              for test in runs["off"]}
     for test, off in medians["off"].items():
-        on = medians["on"][test]
-        row = f"| {test} | {off:.1f} | {on:.1f} | {on / off:.2f}x |"
+        row = f"| {test} | {off:.1f} | {medians['on'][test]:.1f} | {ratios[test]:.2f}x |"
         if llama_types:
             base = medians["llama off"][test]
             best = max(llama_types, key=lambda name: medians[name][test])
             theirs = medians[best][test] / base
-            row += f" {base:.1f} | {best[6:]} {medians[best][test]:.1f} | {theirs:.2f}x | {(on / off) / theirs:.2f} |"
+            row += f" {base:.1f} | {best[6:]} {medians[best][test]:.1f} | {theirs:.2f}x | {ratios[test] / theirs:.2f} |"
         print(row)
     args.json.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "model": str(path),
-                                     "rounds": args.rounds, "runs": runs, "medians": medians}, indent=2) + "\n")
+                                     "rounds": args.rounds, "runs": runs, "medians": medians, "ratios": ratios},
+                                    indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

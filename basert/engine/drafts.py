@@ -182,7 +182,7 @@ class Drafter:
         after the ones before it; where a grammar forces the `forced` tokens next and the history offers no draft
         that starts with them, those tokens."""
         self._extend(computed, next_token)
-        limit = min(room, self.draft_max)
+        limit = max(min(room, self.draft_max), 0)
         continuation, match = self._continuation(limit)
         forced = list(forced[:limit])
         if forced and continuation[: len(forced)] != forced:
