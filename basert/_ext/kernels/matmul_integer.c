@@ -842,6 +842,31 @@ BASERT_ALWAYS_INLINE void bt_prefetch(const bt_group *grp, const uint8_t *g, ptr
         for (ptrdiff_t line = 0; line < bytes; line += 64) __builtin_prefetch(g + grp->ahead + line);
 }
 
+/* Q6_K: the eight rows' scales of the packed super-block g (one signed byte per 16 values; lane r of unit vector u
+ * holds row r's scales 4u .. 4u + 3), sign-extended into 16-bit halves, a sub-block's pair in each lane: pairs[sub]
+ * holds row r's scales of sub-block sub (its first and second 16 values) in lane r. */
+BASERT_ALWAYS_INLINE void bt_q6_k_scale_pairs(const uint8_t *g, __m256i *pairs) {
+    #pragma GCC unroll 4
+    for (int u = 0; u < 4; u++) {
+        const __m256i su = bt_packed_unit(g, 192, u);
+        const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(su, 8), 8), hi = _mm256_srai_epi16(su, 8);
+        pairs[2 * u] = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
+        pairs[2 * u + 1] = _mm256_blend_epi16(_mm256_srli_epi32(lo, 16), hi, 0xAA);
+    }
+}
+
+/* The scale of a sub-block's first (hc 0) or second 16 values in both 16-bit halves of each row's lane. */
+BASERT_ALWAYS_INLINE __m256i bt_q6_k_scale16(__m256i pair, int hc) {
+    return hc ? _mm256_blend_epi16(pair, _mm256_srli_epi32(pair, 16), 0x55)
+              : _mm256_blend_epi16(pair, _mm256_slli_epi32(pair, 16), 0xAA);
+}
+
+/* A sub-block's scaled sums of codes stored with +32 (total) less 32 times its scales times the activation's sums of
+ * its two halves of 16 (sums16: bt_sums16's pair). */
+BASERT_ALWAYS_INLINE __m256i bt_q6_k_offset(__m256i total, __m256i pair, int32_t sums16) {
+    return _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(pair, _mm256_set1_epi32(sums16)), 5));
+}
+
 /* One or two rows of activation bytes (decode): acc[c] + t for Q4_K / Q5_K super-block sb of eight rows packed at g,
  * written out whole (shifts and offsets constants), the units of 16 values loaded once for both nibbles; as bt_q4_k. */
 BASERT_ALWAYS_INLINE void bt_q4_k_few(const int C, const int P, const int type, const uint8_t *g, ptrdiff_t sb,
@@ -909,16 +934,8 @@ BASERT_ALWAYS_INLINE void bt_q6_k_few(const int C, const int P, const uint8_t *g
     const ptrdiff_t k = t->w->k;
     /* The eight rows' d follow their 13 units of 16 bytes. */
     const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(g + 8 * 208)));
-    /* Lane r of unit vector u holds row r's scales 4u .. 4u + 3 as bytes: sign-extended into 16-bit halves, the
-     * even-numbered ones of each lane (0, 2) in lo, the odd-numbered ones (1, 3) in hi. */
-    __m256i sp[8], su[4];
-    bt_packed_units(g, 192, su);
-    #pragma GCC unroll 4
-    for (int u = 0; u < 4; u++) {
-        const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(su[u], 8), 8), hi = _mm256_srai_epi16(su[u], 8);
-        sp[2 * u] = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
-        sp[2 * u + 1] = _mm256_blend_epi16(_mm256_srli_epi32(lo, 16), hi, 0xAA);
-    }
+    __m256i sp[8];
+    bt_q6_k_scale_pairs(g, sp);
     for (int h = 0; h < 2; h++) {
         __m256i total[4][BT_ROWS];
         #pragma GCC unroll 8
@@ -934,9 +951,7 @@ BASERT_ALWAYS_INLINE void bt_q6_k_few(const int C, const int P, const uint8_t *g
                 #pragma GCC unroll 2
                 for (int nib = 0; nib < 2; nib++) {
                     const int q = src + 2 * nib, sub = 4 * h + q;
-                    /* The scale of these 16 values in both 16-bit halves of each row's lane. */
-                    const __m256i scale = hc ? _mm256_blend_epi16(sp[sub], _mm256_srli_epi32(sp[sub], 16), 0x55)
-                                             : _mm256_blend_epi16(sp[sub], _mm256_slli_epi32(sp[sub], 16), 0xAA);
+                    const __m256i scale = bt_q6_k_scale16(sp[sub], hc);
                     #pragma GCC unroll 2
                     for (int u0 = 0; u0 < 4; u0 += 2) {
                         __m256i part[BT_ROWS];
@@ -961,10 +976,7 @@ BASERT_ALWAYS_INLINE void bt_q6_k_few(const int C, const int P, const uint8_t *g
             const int sub = 4 * h + q;
             const ptrdiff_t b = 8 * sb + sub;
             #pragma GCC unroll 8
-            for (int i = 0; i < rows; i++) {
-                const __m256i offset = _mm256_madd_epi16(sp[sub], _mm256_set1_epi32(t->s16[i * (k / 32) + b]));
-                total[q][i] = _mm256_sub_epi32(total[q][i], _mm256_slli_epi32(offset, 5));
-            }
+            for (int i = 0; i < rows; i++) total[q][i] = bt_q6_k_offset(total[q][i], sp[sub], t->s16[i * (k / 32) + b]);
             #pragma GCC unroll 4
             for (int c = 0; c < C; c++) acc[c] = bq_fold_sums(0, 0, bt_join(P, total[q], c), sv, sv, t->d[c][b], t->s[c][b], acc[c]);
         }
@@ -1053,16 +1065,8 @@ BASERT_ALWAYS_INLINE void bt_q6_k(const int n, const int P, const bt_tile *t, co
         }
         /* The eight rows' d follow their 13 units of 16 bytes. */
         const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(g + 8 * 208)));
-        /* Lane r of unit vector u holds row r's scales 4u .. 4u + 3 as bytes (one per 16 values), those of sub-blocks
-         * 2u and 2u + 1: sign-extended into 16-bit halves, a sub-block's pair in each lane. */
         __m256i pairs[8];
-        #pragma GCC unroll 4
-        for (int u = 0; u < 4; u++) {
-            const __m256i su = bt_packed_unit(g, 192, u);
-            const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(su, 8), 8), hi = _mm256_srai_epi16(su, 8);
-            pairs[2 * u] = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
-            pairs[2 * u + 1] = _mm256_blend_epi16(_mm256_srli_epi32(lo, 16), hi, 0xAA);
-        }
+        bt_q6_k_scale_pairs(g, pairs);
         #pragma GCC unroll 1
         for (int sub = 0; sub < 8; sub++) {
             const int h = sub >> 2, q = sub & 3;
@@ -1075,9 +1079,7 @@ BASERT_ALWAYS_INLINE void bt_q6_k(const int n, const int P, const bt_tile *t, co
             for (int i = 0; i < rows; i++) total[i] = _mm256_setzero_si256();
             #pragma GCC unroll 2
             for (int hc = 0; hc < 2; hc++) {
-                /* The scale of these 16 values in both 16-bit halves of each row's lane. */
-                const __m256i scale = hc ? _mm256_blend_epi16(pair, _mm256_srli_epi32(pair, 16), 0x55)
-                                         : _mm256_blend_epi16(pair, _mm256_slli_epi32(pair, 16), 0xAA);
+                const __m256i scale = bt_q6_k_scale16(pair, hc);
                 #pragma GCC unroll 2
                 for (int u = 0; u < 4; u += 2) {
                     __m256i v[2];
@@ -1095,10 +1097,7 @@ BASERT_ALWAYS_INLINE void bt_q6_k(const int n, const int P, const bt_tile *t, co
             }
             const ptrdiff_t b = 8 * sb + sub;
             #pragma GCC unroll 8
-            for (int i = 0; i < rows; i++) {
-                const __m256i offset = _mm256_madd_epi16(pair, _mm256_set1_epi32(t->s16[i * (k / 32) + b]));
-                total[i] = _mm256_sub_epi32(total[i], _mm256_slli_epi32(offset, 5));
-            }
+            for (int i = 0; i < rows; i++) total[i] = bt_q6_k_offset(total[i], pair, t->s16[i * (k / 32) + b]);
             #pragma GCC unroll 8
             for (int c = 0; c < n; c++) acc[c] = bq_fold_sums(0, 0, bt_join(P, total, c), sv, sv, t->d[c][b], t->s[c][b], acc[c]);
         }
