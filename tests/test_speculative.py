@@ -21,6 +21,7 @@ from basert.engine.drafts import (
     MATCH_BANDS,
     NGRAM_SIZES,
     PRIOR_EXTRA_COST,
+    TEXT_BAND,
     Drafter,
     SharedNgrams,
     StepCosts,
@@ -292,6 +293,27 @@ def test_forced_tokens_are_drafted_unless_the_history_offers_them_and_more():
     assert drafter.rate == drafter.acceptance(FORCED_BAND) > drafter.acceptance(0)
     assert Drafter(8, None, step_costs(0.0)).candidate([7], 6, room=2, forced=[9, 9, 9]) == [9, 9]
     assert Drafter(8, None, step_costs(0.0)).candidate([7], 6, room=-1, forced=[9, 9, 9]) == []
+
+
+def test_text_the_token_ngrams_miss_is_drafted_from_the_history_text(smollm2_tokenizer):
+    """A name copied from prose into a JSON string starts with other tokens than in the prose (`"Marg` against
+    ` Marg`): where no n-gram of the history offers a draft, the bytes that followed the text's last bytes before
+    are drafted, tokenized; counted in a band of their own."""
+    encode = smollm2_tokenizer.encode
+    prose = encode("The parcel goes to Marguerite Okonkwo-Villanueva, Port Townsend. Reply in JSON.\n")
+    history = prose + encode('{"name": "Marg')
+    assert Drafter(8, None, step_costs(0.0)).candidate(history[:-1], history[-1], room=8) == []   # no n-gram matches
+    drafter = Drafter(8, None, step_costs(0.0), smollm2_tokenizer)
+    copied = encode("uerite Okonkwo-Villanueva, Port")
+    assert drafter.candidate(history[:-1], history[-1], room=8) == copied[:8]
+    # Its acceptance is counted apart: a rejected text draft lowers the text band's rate, not the n-grams'.
+    assert drafter.rate == drafter.acceptance(TEXT_BAND)
+    drafter.update(drafted=8, accepted=0)
+    assert drafter.acceptance(TEXT_BAND) < drafter.acceptance(0) == 0.5
+    assert drafter.candidate(history, copied[0], room=3) == copied[1:4]
+    # Text that never occurred before offers nothing.
+    fresh = encode("Zyzzyva quokka")
+    assert Drafter(8, None, step_costs(0.0), smollm2_tokenizer).candidate(fresh[:-1], fresh[-1], room=8) == []
 
 
 def test_drafts_are_as_long_as_they_pay():

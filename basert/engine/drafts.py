@@ -7,6 +7,10 @@ A running request's `Drafter` looks for a continuation of its history by matchin
    latest occurrence, extended as the history grows (a dict lookup per size per step, never a scan);
 2. the model's `SharedNgrams`: what other requests generated (agents of a fleet repeat each other), a bounded
    table from n-gram to the tokens that followed it, least recently used entries dropped first.
+3. where neither offers a draft, the history's text (with the engine's tokenizer): the bytes that followed the
+   latest earlier occurrence of the text's last few bytes, tokenized. A value copied into a JSON string starts with
+   other tokens than where it stood in prose (`"1487` against ` 1487`), so its token n-grams miss it until several
+   of its tokens are out; its text matches after the first.
 
 The engine feeds the draft after the request's next token in one forward and keeps the longest prefix that the
 sampler picks itself (`Engine.step`), so a draft only ever changes the speed. How many of the continuation's
@@ -29,6 +33,7 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 NGRAM_SIZES = (4, 3, 2)          # suffix lengths tried, longest first
 DEFAULT_DRAFT_MAX = 8            # most drafted tokens per step (--spec-draft-max)
@@ -47,8 +52,22 @@ MATCH_PRIORS = ((1.0, 1.0), (4.0, 1.0), (12.0, 1.0))
 # the model may still write that text in other tokens.
 FORCED_BAND = len(MATCH_BANDS)
 FORCED_PRIOR = (12.0, 1.0)
+# Drafts from the history's text are a band of their own: the text's last TEXT_SUFFIXES bytes (longest first) are
+# looked up, and the TEXT_FOLLOW bytes after the match are tokenized.
+TEXT_BAND = FORCED_BAND + 1
+TEXT_PRIOR = (1.0, 1.0)
+TEXT_SUFFIXES = (32, 16, 8, 4)
+TEXT_FOLLOW = 64
 FIRST_PROBE = 4                  # steps without a draft before the first probe, doubling up to ...
 LAST_PROBE = 64
+
+
+class TextTokenizer(Protocol):
+    """What text drafts need of a tokenizer."""
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def encode(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]: ...
 
 
 def band_of(match: int) -> int:
@@ -148,17 +167,21 @@ class SharedNgrams:
 class Drafter:
     """One request's drafts: a copy of its history with an n-gram index, and its acceptance rates."""
 
-    __slots__ = ("_after", "_band", "_counts", "_history", "_probe_every", "_since_draft", "costs", "draft_max",
-                 "shared")
+    __slots__ = ("_after", "_band", "_counts", "_history", "_probe_every", "_since_draft", "_text", "_text_tokens",
+                 "costs", "draft_max", "shared", "tokenizer")
 
-    def __init__(self, draft_max: int, shared: SharedNgrams | None, costs: StepCosts | None = None):
+    def __init__(self, draft_max: int, shared: SharedNgrams | None, costs: StepCosts | None = None,
+                 tokenizer: TextTokenizer | None = None):
         self.draft_max = draft_max
         self.shared = shared
         self.costs = costs if costs is not None else StepCosts()
+        self.tokenizer = tokenizer
         self._history: list[int] = []
         self._after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
+        self._text = bytearray()    # the bytes of the history's first _text_tokens tokens
+        self._text_tokens = 0
         # Decayed counts of accepted and rejected draft tokens per band of match length, from their priors.
-        self._counts = [list(prior) for prior in (*MATCH_PRIORS, FORCED_PRIOR)]
+        self._counts = [list(prior) for prior in (*MATCH_PRIORS, FORCED_PRIOR, TEXT_PRIOR)]
         self._band = 0              # the band of the last draft proposed
         self._since_draft = 0       # steps since the last draft
         self._probe_every = FIRST_PROBE
@@ -189,6 +212,9 @@ class Drafter:
             continuation, self._band = forced, FORCED_BAND
         elif continuation:
             self._band = band_of(match)
+        elif self.tokenizer is not None and limit > 0:
+            continuation = self._text_continuation(limit)
+            self._band = TEXT_BAND
         return continuation
 
     @property
@@ -255,6 +281,23 @@ class Drafter:
                 if found:
                     return list(found[:limit]), n
         return [], 0
+
+    def _text_continuation(self, limit: int) -> list[int]:
+        """Up to `limit` tokens of the text that followed the latest earlier occurrence of the history text's longest
+        suffix of TEXT_SUFFIXES bytes that occurred before, or []."""
+        history, text = self._history, self._text
+        for token in history[self._text_tokens:]:
+            text += self.tokenizer.token_bytes(token)
+        self._text_tokens = len(history)
+        end = len(text)
+        for size in TEXT_SUFFIXES:
+            if end <= size:
+                continue
+            at = text.rfind(text[end - size:], 0, end - 1)
+            if at >= 0:
+                follow = bytes(text[at + size: at + size + TEXT_FOLLOW]).decode("utf-8", errors="ignore")
+                return self.tokenizer.encode(follow, parse_special=False)[:limit] if follow else []
+        return []
 
     def _extend(self, computed: Sequence[int], next_token: int) -> None:
         """Append what the history gained since the last call, indexing the n-grams that end before each new

@@ -133,7 +133,9 @@ class Engine:
     def _drafter_for(self, request: GenerationRequest) -> Drafter | None:
         """The request's drafter, None when it decodes without speculation."""
         limit = self.draft_max if request.draft_max is None else min(self.draft_max, request.draft_max)
-        return Drafter(limit, self.shared_ngrams, self.step_costs) if request.speculative and limit > 0 else None
+        if not request.speculative or limit <= 0:
+            return None
+        return Drafter(limit, self.shared_ngrams, self.step_costs, self.tokenizer)
 
     def check(self, request: GenerationRequest) -> None:
         """Raise when a request can never run on this engine (its sampling parameters are checked by the
