@@ -216,6 +216,25 @@ def test_json_dialect_call_passes_then_only_eos(factories, tokenizers, name: str
     assert allowed_ids(matcher) == set(tokenizer.eos_ids)
 
 
+def test_forced_text_is_the_whole_text_the_grammar_allows_next(factories, tokenizers) -> None:
+    """What a forced call allows next and nothing else, as tokens: its tag by id, then the text up to the first
+    choice, with the token that could join what follows (the `":"` after a key) included."""
+    factory, tokenizer = factories["qwen35_tagged"], tokenizers["qwen35_tagged"]
+    matcher = factory.matcher(factory.tool_call(TOOLS, QWEN_JSON, name="lookup_key"))
+    forced = matcher.forced()
+    assert forced[0] == TOOL_CALL_ID
+    assert tokenizer.decode(forced[1:]) == '\n{"name":"lookup_key","arguments":{"key":"'
+    ids = tokenizer.encode(JSON_CALL)
+    for token_id in ids[:-1]:
+        allowed = allowed_ids(matcher)
+        forced = matcher.forced()
+        assert not forced or forced[0] in allowed     # never a token the grammar refuses
+        matcher.consume(token_id)
+    assert matcher.forced() == [TOOL_CALL_END_ID]
+    matcher.consume(ids[-1])
+    assert matcher.forced() == []                    # an end of turn is forced, but it is not text
+
+
 @pytest.mark.parametrize("dialect", [QWEN_JSON, QWEN_XML])
 def test_tool_call_tag_is_the_single_added_token(factories, tokenizers, dialect: str) -> None:
     factory, tokenizer = factories["qwen35_tagged"], tokenizers["qwen35_tagged"]

@@ -30,6 +30,8 @@ TEXT_VALUE = "TEXT_VALUE"
 # JSON-schema types that the XML dialect writes as JSON text; any other parameter is raw text.
 XML_JSON_TYPES = frozenset({"integer", "number", "boolean", "null", "object", "array"})
 DEFINITION_KEYS = ("$defs", "definitions")
+# How llguidance writes a special token among forced bytes.
+SPECIAL_IN_BYTES = re.compile(rb"\xff\[(\d+)\]")
 # GGUF converters fill the ids between the tokenizer's vocabulary and the model's embedding rows with these.
 PAD_PIECE = re.compile(r"\[PAD\d+\]")
 # Row b holds, for the 8 token ids that byte b of a bitmask covers, the ceiling each logit gets: +inf keeps
@@ -134,7 +136,7 @@ class GrammarFactory:
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A fresh matcher at the start of `grammar`, for one choice of one request."""
-        return GrammarMatcher(grammar, self._usable, self.vocab_size)
+        return GrammarMatcher(grammar, self._usable, self.vocab_size, self._tokenizer)
 
     def _compile(self, source: str) -> Grammar:
         matcher = LLMatcher(self._lltokenizer, source, log_level=0, limits=LIMITS)
@@ -230,10 +232,11 @@ class GrammarFactory:
 class GrammarMatcher:
     """One choice's position in a grammar: which tokens may come next, advanced by each sampled token."""
 
-    __slots__ = ("_bitmask", "_ceilings", "_grammar", "_mask_ready", "_matcher", "_usable", "vocab_size")
+    __slots__ = ("_bitmask", "_ceilings", "_grammar", "_mask_ready", "_matcher", "_tokenizer", "_usable", "vocab_size")
 
-    def __init__(self, grammar: Grammar, usable: np.ndarray, vocab_size: int) -> None:
+    def __init__(self, grammar: Grammar, usable: np.ndarray, vocab_size: int, tokenizer: Tokenizer) -> None:
         self._grammar = grammar
+        self._tokenizer = tokenizer
         self._matcher = grammar.initial.deep_copy()
         self._usable = usable
         self.vocab_size = vocab_size
@@ -265,9 +268,18 @@ class GrammarMatcher:
             raise GrammarError(f"token {token_id} is not allowed here: {_first_line(self._matcher.get_error())}")
 
     def forced(self) -> list[int]:
-        """The tokens of the text the grammar allows next and nothing else, as the tokenizer writes it (the model
-        may still write that text in other tokens); empty when the next text is not forced."""
-        return self._matcher.compute_ff_tokens()
+        """The tokens of the text the grammar allows next and nothing else, as the tokenizer writes that text alone
+        (the model may still write it in other tokens, or join its last token to the text after it); empty when the
+        next text is not forced. The whole forced text: llguidance's forced tokens stop before a token that could
+        join what follows, such as the `":"` after a key, which the model writes as one token all the same."""
+        tokens: list[int] = []
+        # Special tokens come as b"\xff[id]" among the forced bytes.
+        for index, part in enumerate(SPECIAL_IN_BYTES.split(self._matcher.compute_ff_bytes())):
+            if index % 2:
+                tokens.append(int(part))
+            elif part:
+                tokens += self._tokenizer.encode(part.decode("utf-8", errors="ignore"), parse_special=False)
+        return tokens
 
     @property
     def is_finished(self) -> bool:

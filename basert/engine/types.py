@@ -17,7 +17,8 @@ from basert.engine.sampler import SamplingParams, TokenLogprob
 
 class TokenConstraint(Protocol):
     """A grammar matcher: masks logits, follows the chosen tokens, says which tokens it forces next (the only text it
-    allows there, as the tokenizer writes it; speculative decoding drafts them) and when the output is complete."""
+    allows there, as the tokenizer writes it alone; speculative decoding drafts them) and when the output is
+    complete."""
 
     def apply(self, logits: np.ndarray) -> None: ...
     def consume(self, token_id: int) -> None: ...
