@@ -43,14 +43,13 @@ from basert.models.layers import Weights
 BUFFER_BYTES = 1 << 30
 
 
-def read_bandwidth(threads: int, passes: int = 5) -> float:
-    """Bytes per second that `threads` threads read, each taking the max of a disjoint slice of one buffer (best of
+def read_bandwidth(data: np.ndarray, threads: int, passes: int = 5) -> float:
+    """Bytes per second that `threads` threads read, each taking the max of a disjoint slice of `data` (best of
     `passes`)."""
-    data = np.ones(BUFFER_BYTES, dtype=np.uint8)
     slices = np.array_split(data, threads)
     best = 0.0
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(np.max, slices))   # first touch and thread start-up are not measured
+        list(pool.map(np.max, slices))   # thread start-up is not measured
         for _ in range(passes):
             started = time.perf_counter()
             list(pool.map(np.max, slices))
@@ -88,12 +87,12 @@ def matmul_alone_seconds(path: Path, threads: int) -> float:
         return seconds_per_call(one_pass, min_time=1.0)
 
 
-def measure_round(path: Path, threads: int, per_token: int, args: argparse.Namespace) -> dict:
-    """One round: the read bandwidth, tgN, the bandwidth again; tgN's share of the floor the two bandwidths' mean
-    gives."""
-    before = read_bandwidth(threads)
+def measure_round(path: Path, threads: int, per_token: int, buffer: np.ndarray, args: argparse.Namespace) -> dict:
+    """One round: the read bandwidth over `buffer`, tgN, the bandwidth again; tgN's share of the floor the two
+    bandwidths' mean gives."""
+    before = read_bandwidth(buffer, threads)
     [tg] = run_bench(path, [], [args.n_gen], args.repetitions, 1, threads)
-    after = read_bandwidth(threads)
+    after = read_bandwidth(buffer, threads)
     bandwidth = (before + after) / 2
     return {"read_bytes_per_second": bandwidth, "read_bytes_per_second_before_after": [before, after],
             "tg_tokens_per_second": tg.mean, "tg_runs_tokens_per_second": tg.rates,
@@ -115,7 +114,8 @@ def main() -> int:
     threads = args.threads or default_threads()
     per_token = bytes_per_token(path)
     matmul_alone = 1.0 / matmul_alone_seconds(path, threads)
-    rounds = [measure_round(path, threads, per_token, args) for _ in range(args.rounds)]
+    buffer = np.ones(BUFFER_BYTES, dtype=np.uint8)   # touched once here, read by every round
+    rounds = [measure_round(path, threads, per_token, buffer, args) for _ in range(args.rounds)]
     shares = [r["share_of_floor"] for r in rounds]
     bandwidth = statistics.median(r["read_bytes_per_second"] for r in rounds)
     tg = statistics.median(r["tg_tokens_per_second"] for r in rounds)

@@ -282,13 +282,18 @@ class Drafter:
                     return list(found[:limit]), n
         return [], 0
 
+    def _history_text(self) -> bytearray:
+        """The history's bytes, extended with the tokens added since the last call (built only when text drafts are
+        looked up)."""
+        for token in self._history[self._text_tokens:]:
+            self._text += self.tokenizer.token_bytes(token)
+        self._text_tokens = len(self._history)
+        return self._text
+
     def _text_continuation(self, limit: int) -> list[int]:
         """Up to `limit` tokens of the text that followed the latest earlier occurrence of the history text's longest
         suffix of TEXT_SUFFIXES bytes that occurred before, or []."""
-        history, text = self._history, self._text
-        for token in history[self._text_tokens:]:
-            text += self.tokenizer.token_bytes(token)
-        self._text_tokens = len(history)
+        text = self._history_text()
         end = len(text)
         for size in TEXT_SUFFIXES:
             if end <= size:
