@@ -15,7 +15,8 @@ machine's read bandwidth.
    rounds measures the bandwidth, then tgN, then the bandwidth again, and takes that round's share against the
    mean of its two bandwidths; the table gives the median of the rounds' shares (and each of them).
 4. Matmul alone: every weight matrix those bytes hold (the 2-D tensors) multiplied by one activation row with
-   the engine's kernels and thread count, one call per matrix, best of several rounds: the tokens/s the
+   the engine's kernels and thread count (the LM head's row quantized to the engine's HEAD_ACT_BITS, the others to
+   8 bits, as decode quantizes them), one call per matrix, best of several rounds: the tokens/s the
    kernels allow with nothing else to do. When it is well below the floor, decode is bound by the kernels'
    arithmetic, not by memory.
 """
@@ -39,6 +40,7 @@ from basert.cli.generate import model_path_for
 from basert.engine.runner import default_threads
 from basert.format import open_base
 from basert.models.layers import Weights
+from basert.models.transformer import HEAD_ACT_BITS
 
 BUFFER_BYTES = 1 << 30
 
@@ -63,9 +65,14 @@ def bytes_per_token(path: Path) -> int:
         return sum(base.tensors[name].length for name in decode_tensors(base.tensors))
 
 
+def head_tensor(tensors: dict) -> str:
+    """The LM head's matrix: its own, or the embedding table it is tied to."""
+    return "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"
+
+
 def decode_tensors(tensors: dict) -> list[str]:
     """Names of the tensors one decode step reads: all of them but an embedding table with a separate head."""
-    skipped = "embed_tokens.weight" if "lm_head.weight" in tensors else None
+    skipped = "embed_tokens.weight" if head_tensor(tensors) != "embed_tokens.weight" else None
     return [name for name in tensors if name != skipped]
 
 
@@ -75,9 +82,12 @@ def matmul_alone_seconds(path: Path, threads: int) -> float:
     with open_base(path) as base:
         weights = Weights(base)
         shapes = {name: base.tensors[name].array_shape for name in decode_tensors(base.tensors)}
+        head = head_tensor(base.tensors)
         rng = np.random.default_rng(0)
+        matrices = [weights.matrix(name, *shape, act_bits=HEAD_ACT_BITS if name == head else 8)
+                    for name, shape in shapes.items() if len(shape) == 2]
         calls = [(rng.standard_normal((1, w.k), dtype=np.float32), w, np.empty((1, w.n), dtype=np.float32))
-                 for w in (weights.matrix(name, *shape) for name, shape in shapes.items() if len(shape) == 2)]
+                 for w in matrices]
         mm.set_num_threads(threads)
 
         def one_pass() -> None:
