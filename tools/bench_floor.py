@@ -40,7 +40,7 @@ from basert.cli.generate import model_path_for
 from basert.engine.runner import default_threads
 from basert.format import open_base
 from basert.models.layers import Weights
-from basert.models.transformer import HEAD_ACT_BITS
+from basert.models.transformer import HEAD_ACT_BITS, head_tensor
 
 BUFFER_BYTES = 1 << 30
 
@@ -65,14 +65,9 @@ def bytes_per_token(path: Path) -> int:
         return sum(base.tensors[name].length for name in decode_tensors(base.tensors))
 
 
-def head_tensor(tensors: dict) -> str:
-    """The LM head's matrix: its own, or the embedding table it is tied to."""
-    return "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"
-
-
 def decode_tensors(tensors: dict) -> list[str]:
     """Names of the tensors one decode step reads: all of them but an embedding table with a separate head."""
-    skipped = "embed_tokens.weight" if head_tensor(tensors) != "embed_tokens.weight" else None
+    skipped = "embed_tokens.weight" if "lm_head.weight" in tensors else None
     return [name for name in tensors if name != skipped]
 
 
@@ -82,7 +77,7 @@ def matmul_alone_seconds(path: Path, threads: int) -> float:
     with open_base(path) as base:
         weights = Weights(base)
         shapes = {name: base.tensors[name].array_shape for name in decode_tensors(base.tensors)}
-        head = head_tensor(base.tensors)
+        head = head_tensor(base.tensors.__contains__)
         rng = np.random.default_rng(0)
         matrices = [weights.matrix(name, *shape, act_bits=HEAD_ACT_BITS if name == head else 8)
                     for name, shape in shapes.items() if len(shape) == 2]

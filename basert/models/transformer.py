@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -26,6 +27,12 @@ class Layer(Protocol):
     def __call__(self, x: np.ndarray, batch: Batch, kv: KVTensors, ws: Workspace) -> None: ...
 
 
+def head_tensor(has: Callable[[str], bool]) -> str:
+    """The LM head's matrix among a model's tensors (`has` tells which exist): its own, or the embedding table it is
+    tied to."""
+    return "lm_head.weight" if has("lm_head.weight") else "embed_tokens.weight"
+
+
 class DecoderModel:
     """h = embed(tokens); h = layer_i(h) for each layer; logits = head(norm(h)) at the requested rows."""
 
@@ -37,8 +44,7 @@ class DecoderModel:
         self.hidden = config.hidden_size
         self.vocab = config.vocab_size
         self.embed = weights.matrix("embed_tokens.weight", self.vocab, self.hidden)
-        head_name = "embed_tokens.weight" if not weights.has("lm_head.weight") else "lm_head.weight"
-        self.head = weights.matrix(head_name, self.vocab, self.hidden, act_bits=HEAD_ACT_BITS)
+        self.head = weights.matrix(head_tensor(weights.has), self.vocab, self.hidden, act_bits=HEAD_ACT_BITS)
         self.final_norm = RMSNorm(weights, "final_norm.weight", self.hidden, config.rms_norm_eps)
         self.layers = layers
         # Attention layers keep KV blocks, the others a recurrent state.
