@@ -14,6 +14,7 @@ from gguf_files import random_blocks, write_gguf
 from safetensors.numpy import load_file
 
 from basert.convert import ConvertError, convert
+from basert.convert.gguf_reader import read_gguf
 from basert.engine.runner import ModelRunner
 from basert.format import BaseFile
 from basert.format.quant import bf16_bits_to_f32, f32_to_bf16_bits
@@ -308,6 +309,78 @@ def test_interrupted_convert_leaves_nothing(tmp_path: Path):
         convert(FIXTURES / "refdata" / "models" / "qwen3_5-tiny", out, target="f32", progress=interrupt)
     assert not out.exists()
     assert list(out.parent.iterdir()) == []
+
+
+def metadata_gguf(path: Path) -> None:
+    """A GGUF whose metadata holds an array of every scalar type, arrays of strings (empty ones and multi-byte
+    UTF-8 among them), an array of arrays, and single values, with one small tensor."""
+    writer = gguf.GGUFWriter(path, "llama")
+    V = gguf.GGUFValueType
+    numbers = {V.UINT8: [0, 7, 255], V.INT8: [-128, 0, 127], V.UINT16: [1, 65535], V.INT16: [-32768, 5],
+               V.UINT32: [3, 4294967295], V.INT32: [-2, 2, 0], V.FLOAT32: [0.5, -1e30, 3.25], V.UINT64: [2**64 - 1],
+               V.INT64: [-(2**63), 9], V.FLOAT64: [1e300, -0.25], V.BOOL: [True, False, True]}
+    for value_type, values in numbers.items():
+        writer.add_key_value(f"test.{value_type.name.lower()}s", values, V.ARRAY, sub_type=value_type)
+    writer.add_array("test.strings", ["", "Ġhello", "▁wörld", "日本語", "<0x0A>", "a b", ""])
+    writer.add_key_value("test.nested", [["x", "yz"], ["", "w"]], V.ARRAY)
+    writer.add_string("test.name", "tëst")
+    writer.add_uint32("test.count", 42)
+    writer.add_tensor("output_norm.weight", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def empty_arrays_gguf(path: Path) -> None:
+    """A GGUF (version 3, no tensors) whose metadata is an empty array of strings and an empty array of int32, which
+    gguf-py's writer refuses to write but files may hold."""
+    import struct
+
+    def key(name: str, value_type: int) -> bytes:
+        return struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", value_type)
+
+    V = gguf.GGUFValueType
+    array = struct.pack("<I", V.ARRAY)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+                     + key("test.no_strings", V.ARRAY)[:-4] + array + struct.pack("<IQ", V.STRING, 0)
+                     + key("test.no_numbers", V.ARRAY)[:-4] + array + struct.pack("<IQ", V.INT32, 0))
+
+
+def assert_same_fields(ours, theirs) -> None:
+    """Two readers of one GGUF give the same fields: parts (dtypes, shapes, bytes), data indexes, types, contents."""
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.name, mine.data, mine.types) == (field.offset, field.name, field.data, field.types)
+        assert [(p.dtype, p.shape, p.tobytes()) for p in mine.parts] == [(p.dtype, p.shape, p.tobytes())
+                                                                         for p in field.parts], name
+        assert mine.contents() == field.contents(), name
+    assert ours.data_offset == theirs.data_offset
+
+
+def test_the_converters_gguf_reader_gives_gguf_pys_fields(tmp_path: Path):
+    """read_gguf reads arrays in one pass: its fields (parts, their dtypes and bytes, data indexes, types),
+    tensors and data offset are gguf-py's GGUFReader's, for every kind of value; an array cut short by the end
+    of the file is a ValueError, which the converter reports as an unreadable GGUF."""
+    path, empty = tmp_path / "metadata.gguf", tmp_path / "empty.gguf"
+    metadata_gguf(path)
+    empty_arrays_gguf(empty)
+    assert_same_fields(read_gguf(empty), gguf.GGUFReader(empty))
+    assert read_gguf(empty).fields["test.no_strings"].contents() == []
+    ours, theirs = read_gguf(path), gguf.GGUFReader(path)
+    assert_same_fields(ours, theirs)
+    assert ours.fields["test.strings"].contents()[1:4] == ["Ġhello", "▁wörld", "日本語"]
+    assert [(t.name, t.data.tobytes()) for t in ours.tensors] == [(t.name, t.data.tobytes()) for t in theirs.tensors]
+    # Cut inside the strings' array: a string's bytes, then a string's length, past the end.
+    strings = ours.fields["test.strings"]
+    for cut in (strings.offset + 60, strings.offset + sum(p.nbytes for p in strings.parts) - 3):
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(path.read_bytes()[:cut])
+        with pytest.raises(ValueError, match="past the end of the file"):
+            read_gguf(short)
+        with pytest.raises(ConvertError, match="not a readable GGUF"):
+            convert(short, tmp_path / "x.base")
 
 
 def test_bad_sources_raise_clear_errors(tmp_path: Path):
