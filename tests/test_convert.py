@@ -372,9 +372,11 @@ def test_the_converters_gguf_reader_gives_gguf_pys_fields(tmp_path: Path):
     assert_same_fields(ours, theirs)
     assert ours.fields["test.strings"].contents()[1:4] == ["Ġhello", "▁wörld", "日本語"]
     assert [(t.name, t.data.tobytes()) for t in ours.tensors] == [(t.name, t.data.tobytes()) for t in theirs.tensors]
-    # Cut inside the strings' array: a string's bytes, then a string's length, past the end.
+    # Cut inside the strings' array: inside a string's bytes, inside a length, and where the second string starts
+    # (GGUFReader raised IndexError there, which the converter did not report as an unreadable file).
     strings = ours.fields["test.strings"]
-    for cut in (strings.offset + 60, strings.offset + sum(p.nbytes for p in strings.parts) - 3):
+    parts_end = [strings.offset + sum(p.nbytes for p in strings.parts[:i]) for i in range(len(strings.parts) + 1)]
+    for cut in (strings.offset + 60, parts_end[-1] - 3, parts_end[strings.data[0] + 1]):
         short = tmp_path / f"cut{cut}.gguf"
         short.write_bytes(path.read_bytes()[:cut])
         with pytest.raises(ValueError, match="past the end of the file"):
