@@ -337,14 +337,14 @@ def empty_arrays_gguf(path: Path) -> None:
     gguf-py's writer refuses to write but files may hold."""
     import struct
 
-    def key(name: str, value_type: int) -> bytes:
-        return struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", value_type)
+    def empty_array(name: str, item_type: int) -> bytes:
+        """A key/value record: the key, the value type ARRAY, then the item type and a count of 0."""
+        header = struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, item_type, 0)
+        return struct.pack("<Q", len(name)) + name.encode() + header
 
-    V = gguf.GGUFValueType
-    array = struct.pack("<I", V.ARRAY)
-    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
-                     + key("test.no_strings", V.ARRAY)[:-4] + array + struct.pack("<IQ", V.STRING, 0)
-                     + key("test.no_numbers", V.ARRAY)[:-4] + array + struct.pack("<IQ", V.INT32, 0))
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2)  # version, tensor count, key/value count
+                     + empty_array("test.no_strings", gguf.GGUFValueType.STRING)
+                     + empty_array("test.no_numbers", gguf.GGUFValueType.INT32))
 
 
 def assert_same_fields(ours, theirs) -> None:
